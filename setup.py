@@ -15,7 +15,7 @@ setup(
     name="vllm_amphista",
     version="0.1.0",
     description="Amphista (parallel drafting heads) and ANPD speculative decoding for vLLM",
-    packages=find_packages(include=["vllm_amphista", "vllm_amphista.*", "triton_kernels", "triton_kernels.*"]),
+    packages=find_packages(include=["vllm_amphista", "vllm_amphista.*", "amphista_kernels", "amphista_kernels.*"]),
     package_data={"vllm_amphista": ["heads/*/*.json", "heads/*/*.safetensors"]},
     python_requires=">=3.10",
     install_requires=["safetensors", "tqdm", "numpy"],

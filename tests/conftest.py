@@ -99,7 +99,9 @@ def build_tiny_llama(
     return directory
 
 
-def tiny_samples(target_dir: str | os.PathLike, num_samples: int, prompt_len: int = 6, output_len: int = 40, seed: int = 0):
+def tiny_samples(
+    target_dir: str | os.PathLike, num_samples: int, prompt_len: int = 6, output_len: int = 40, seed: int = 0
+):
     """Self-distillation data from the tiny target: random word prompts and the
     target's greedy continuations, as {"prompt_ids", "output_ids"} dicts."""
     from transformers import AutoModelForCausalLM
@@ -107,7 +109,9 @@ def tiny_samples(target_dir: str | os.PathLike, num_samples: int, prompt_len: in
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)
     first_word_id = len(TINY_SPECIAL_TOKENS)
-    prompts = torch.randint(first_word_id, first_word_id + len(TINY_WORDS), (num_samples, prompt_len), generator=generator)
+    prompts = torch.randint(
+        first_word_id, first_word_id + len(TINY_WORDS), (num_samples, prompt_len), generator=generator
+    )
     with torch.inference_mode():
         sequences = model.generate(
             prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
@@ -115,7 +119,7 @@ def tiny_samples(target_dir: str | os.PathLike, num_samples: int, prompt_len: in
         )
     return [
         {"prompt_ids": prompt.tolist(), "output_ids": sequence[prompt_len:].tolist()}
-        for prompt, sequence in zip(prompts, sequences)
+        for prompt, sequence in zip(prompts, sequences, strict=True)
     ]
 
 
@@ -125,50 +129,209 @@ def write_jsonl(path: str | os.PathLike, records) -> Path:
     return path
 
 
-def run_vllm_generate(
+def run_vllm_engines(
     target_dir: str | os.PathLike,
     prompts: list[str],
-    speculative_config: dict | None = None,
+    speculative_configs: list[dict | None],
     max_tokens: int = 16,
-    timeout: float = 300,
-) -> dict:
-    """Run a short greedy vLLM engine in a fresh subprocess (vLLM keeps global
-    state, so one engine per process) and return its JSON report:
-    {"texts": [...], "token_ids": [[...]], "spec_metrics": {...}}."""
+    timeout: float = 400,
+) -> list[dict]:
+    """Greedy-generate `prompts` with one short vLLM engine per speculative
+    config (None = no speculation), one after another in a single fresh
+    subprocess (vLLM keeps process-global state; one import serves them all).
+    Returns one report per config:
+    {"texts": [...], "token_ids": [[...]], "spec_metrics": {name: value}}."""
     script = textwrap.dedent(
         f"""
-        import json, sys
+        import gc, json
         from vllm import LLM, SamplingParams
+        from vllm.distributed import cleanup_dist_env_and_memory
 
         if __name__ == "__main__":
-            llm = LLM(
-                model={str(target_dir)!r}, dtype="float32", max_model_len=256, enforce_eager=True,
-                speculative_config={speculative_config!r}, seed=0, disable_log_stats=False,
-            )
-            outputs = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True))
-            metrics = {{metric.name: getattr(metric, "value", None) for metric in llm.get_metrics()
-                        if metric.name.startswith("vllm:spec_decode")}}
-            report = {{
-                "texts": [output.outputs[0].text for output in outputs],
-                "token_ids": [list(output.outputs[0].token_ids) for output in outputs],
-                "spec_metrics": metrics,
-            }}
-            print("REPORT=" + json.dumps(report))
+            for speculative_config in {speculative_configs!r}:
+                llm = LLM(
+                    model={str(target_dir)!r}, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+                    max_num_seqs=4, max_num_batched_tokens=256, speculative_config=speculative_config,
+                    disable_log_stats=False,
+                )
+                greedy = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
+                outputs = llm.generate({prompts!r}, greedy)
+                metrics = {{metric.name: getattr(metric, "value", None) for metric in llm.get_metrics()
+                            if metric.name.startswith("vllm:spec_decode")}}
+                report = {{
+                    "texts": [output.outputs[0].text for output in outputs],
+                    "token_ids": [list(output.outputs[0].token_ids) for output in outputs],
+                    "spec_metrics": metrics,
+                }}
+                print("REPORT=" + json.dumps(report), flush=True)
+                del llm
+                gc.collect()
+                cleanup_dist_env_and_memory()
         """
     )
     completed = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV},
         capture_output=True, text=True, timeout=timeout,
     )
-    report_lines = [line for line in completed.stdout.splitlines() if line.startswith("REPORT=")]
-    if completed.returncode != 0 or not report_lines:
+    reports = [json.loads(line.removeprefix("REPORT=")) for line in completed.stdout.splitlines()
+               if line.startswith("REPORT=")]
+    if completed.returncode != 0 or len(reports) != len(speculative_configs):
         raise AssertionError(
             f"vLLM engine failed (exit {completed.returncode}):\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}"
         )
-    return json.loads(report_lines[-1].removeprefix("REPORT="))
+    return reports
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A random tiny Llama target directory, built once per test session."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def run_engine(target_dir, requests, speculative_config=None, extra_env=None, timeout=600,
+               max_model_len: int = 256, dtype: str = "float32", max_num_seqs: int = 16) -> dict:
+    """Generate `requests` ([{"prompt_token_ids", "max_tokens", "stop_token_ids"?}]) greedily in a
+    fresh in-process engine in a subprocess (vLLM keeps global state: one engine per process);
+    returns {"token_ids": [...], "spec": {metric: value}}."""
+    script = textwrap.dedent(
+        f"""
+        import json
+        from vllm import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            requests = json.loads({json.dumps(requests)!r})
+            llm = LLM(model={str(target_dir)!r}, dtype={dtype!r}, max_model_len={max_model_len},
+                      enforce_eager=True, seed=0, disable_log_stats=False, max_num_seqs={max_num_seqs},
+                      speculative_config={speculative_config!r})
+            params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                     stop_token_ids=r.get("stop_token_ids")) for r in requests]
+            outputs = llm.generate([{{"prompt_token_ids": r["prompt_token_ids"]}} for r in requests], params)
+            spec = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                     if m.name.startswith("vllm:spec_decode")}}
+            print("REPORT=" + json.dumps({{"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+                                           "spec": spec}}))
+        """
+    )
+    env = {**os.environ, **VLLM_CPU_TEST_ENV, **(extra_env or {})}
+    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("REPORT=")]
+    if completed.returncode != 0 or not lines:
+        raise AssertionError(f"engine failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
+    return json.loads(lines[-1].removeprefix("REPORT="))
+
+
+# ---------------------------------------------------------------------------
+# Reliability helpers (issue 8): random heads, and engines running arbitrary
+# test code in a subprocess.
+# ---------------------------------------------------------------------------
+
+
+def build_random_heads(target_dir: str | os.PathLike, directory: str | os.PathLike,
+                       num_draft_heads: int = 4, seed: int = 1) -> Path:
+    """Save random-but-initialised Amphista heads for `target_dir` to `directory` (float32):
+    the default init moved by N(0, 0.02) noise, so every part of the drafter matters."""
+    from transformers import AutoConfig
+
+    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
+
+    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_heads=num_draft_heads)
+    torch.manual_seed(seed)
+    drafter = AmphistaDrafter(config)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    drafter.save_pretrained(directory, dtype=torch.float32)
+    return Path(directory)
+
+
+@pytest.fixture(scope="session")
+def random_heads_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """Random 4-head Amphista heads for the tiny Llama, built once per test session."""
+    return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("random_heads"))
+
+
+def run_python(script: str, extra_env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh Python process from the repo root, with the CPU test environment.
+
+    The process leads its own session (its id is the session id): on timeout the
+    whole session is killed, engine processes included, and `session_processes`
+    can tell whether it left any behind.
+    """
+    env = {**os.environ, **VLLM_CPU_TEST_ENV, **(extra_env or {})}
+    with subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(process.pid)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def session_processes(session_id: int) -> list[int]:
+    """Ids of the live (not zombie) processes in a session."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # Fields after the parenthesised command: state, ppid, pgrp, session, ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def kill_session(session_id: int) -> None:
+    """SIGKILL every process left in a session started with start_new_session=True."""
+    import signal
+
+    for pid in session_processes(session_id):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def report_of(completed: subprocess.CompletedProcess) -> dict:
+    """The JSON a script printed as its last `REPORT=` line; fails with its stderr if it crashed."""
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("REPORT=")]
+    if completed.returncode != 0 or not lines:
+        raise AssertionError(f"script failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
+    return json.loads(lines[-1].removeprefix("REPORT="))
+
+
+def run_llm(target_dir, body: str, speculative_config: dict | None = None, llm_kwargs: dict | None = None,
+            args=None, extra_env: dict | None = None, timeout: float = 600) -> dict:
+    """Run test code against a fresh in-process engine in a subprocess; return what it reported.
+
+    `body` (Python source) runs after `llm = LLM(model=target_dir, dtype="float32",
+    max_model_len=256, enforce_eager=True, seed=0, disable_log_stats=False,
+    speculative_config=..., **llm_kwargs)`, with `llm`, `SamplingParams`, `json`,
+    `args` (JSON round-tripped) and `metrics(prefix) -> {name: value}` in scope; it
+    ends by calling `report(dict)`.
+    """
+    llm_kwargs = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True, "seed": 0,
+                  "disable_log_stats": False, **(llm_kwargs or {})}
+    script = textwrap.dedent(
+        """
+        import json
+        from vllm import LLM, SamplingParams
+
+        def report(value):
+            print("REPORT=" + json.dumps(value), flush=True)
+
+        if __name__ == "__main__":
+            args = json.loads({args!r})
+            llm = LLM(model={model!r}, speculative_config={speculative_config!r}, **{llm_kwargs!r})
+
+            def metrics(prefix):
+                return {{m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith(prefix)}}
+
+        {body}
+        """
+    ).format(args=json.dumps(args), model=str(target_dir), speculative_config=speculative_config,
+             llm_kwargs=llm_kwargs, body=textwrap.indent(textwrap.dedent(body), " " * 4))
+    return report_of(run_python(script, extra_env, timeout))

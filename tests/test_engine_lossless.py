@@ -6,50 +6,14 @@ early (stop tokens, small max_tokens), max_tokens=1, and a prompt that nearly
 fills max_model_len. One engine per method, each in its own subprocess.
 """
 
-import json
-import os
 import random
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, TINY_SPECIAL_TOKENS, TINY_WORDS, VLLM_CPU_TEST_ENV
+from conftest import TINY_SPECIAL_TOKENS, TINY_WORDS, run_engine
 
 MAX_MODEL_LEN = 256
-
-
-def run_engine(target_dir, requests, speculative_config=None, extra_env=None, timeout=600) -> dict:
-    """Generate `requests` ([{"prompt_token_ids", "max_tokens", "stop_token_ids"?}]) greedily
-    in a fresh in-process engine; returns {"token_ids": [...], "spec": {metric: value}}."""
-    script = textwrap.dedent(
-        f"""
-        import json
-        from vllm import LLM, SamplingParams
-
-        if __name__ == "__main__":
-            requests = json.loads({json.dumps(requests)!r})
-            llm = LLM(model={str(target_dir)!r}, dtype="float32", max_model_len={MAX_MODEL_LEN},
-                      enforce_eager=True, seed=0, disable_log_stats=False, max_num_seqs=16,
-                      speculative_config={speculative_config!r})
-            params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
-                                     stop_token_ids=r.get("stop_token_ids")) for r in requests]
-            outputs = llm.generate([{{"prompt_token_ids": r["prompt_token_ids"]}} for r in requests], params)
-            spec = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()
-                     if m.name.startswith("vllm:spec_decode")}}
-            print("REPORT=" + json.dumps({{"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-                                           "spec": spec}}))
-        """
-    )
-    env = {**os.environ, **VLLM_CPU_TEST_ENV, **(extra_env or {})}
-    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
-                               capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("REPORT=")]
-    if completed.returncode != 0 or not lines:
-        raise AssertionError(f"engine failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
-    return json.loads(lines[-1].removeprefix("REPORT="))
 
 
 def mixed_requests(seed: int = 0) -> list[dict]:

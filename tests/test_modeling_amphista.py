@@ -121,7 +121,7 @@ def test_left_padding_with_mask_and_positions_matches_unpadded():
 
 
 def test_kernel_path_matches_training_path():
-    """Inference (no grad) calls triton_kernels' dispatcher; training calls
+    """Inference (no grad) calls amphista_kernels' dispatcher; training calls
     its differentiable reference. Both must compute the same thing."""
     drafter = randomized(AmphistaDrafter(make_config()))
     hidden, next_ids, embed, lm_head = make_inputs()

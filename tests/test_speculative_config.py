@@ -50,6 +50,12 @@ def test_speculative_model_flag_reads_method_from_heads_dir(tiny_llama_dir, head
     assert spec.draft_model_config.hf_config.model_type == "amphista"
 
 
+def test_plugin_methods_stay_on_the_v1_model_runner(tiny_llama_dir, heads_dir):
+    # On CPU vLLM never picks the V2 runner (no Triton CPU backend); on CUDA this list decides.
+    config = engine_config([str(tiny_llama_dir), "--speculative-model", str(heads_dir)])
+    assert any("amphista" in feature for feature in config._get_v2_model_runner_unsupported_features())
+
+
 def test_num_speculative_tokens_flag(tiny_llama_dir, heads_dir):
     spec = engine_config(
         [str(tiny_llama_dir), "--speculative-model", str(heads_dir), "--num-speculative-tokens", "2"]

@@ -6,7 +6,7 @@ cooperate: an Auto-embedding Block lets them attend to each other
 states, which were trained for next-token prediction, into features suited to
 predicting tokens further ahead. This module is the training-side reference;
 the vLLM-side model loads the same ``model.safetensors``. It imports torch,
-transformers, safetensors and ``triton_kernels``, never vllm.
+transformers, safetensors and ``amphista_kernels``, never vllm.
 
 Data flow at sequence position t (target hidden state h_t, and x_{t+1}, the
 token the target sampled from h_t)::
@@ -38,7 +38,7 @@ Choices for what the paper leaves open, and why
   embedding tells the heads apart; then pre-norm encoder layers (RMSNorm,
   fused qkv attention without RoPE, SiLU MLP, residuals) attend over the K
   heads of one sequence position only, via
-  ``triton_kernels.bidirectional_head_attention``. The heads never see other
+  ``amphista_kernels.bidirectional_head_attention``. The heads never see other
   positions or requests, so drafting the last position of a request needs
   nothing but that position's stage outputs.
 * Vocabulary projection: ``final_norm`` then, by default, the target's own
@@ -83,8 +83,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from triton_kernels import bidirectional_head_attention, bidirectional_head_attention_reference
-from triton_kernels.head_attention import MAX_HEAD_POSITIONS, SUPPORTED_HEAD_DIMS
+from amphista_kernels import bidirectional_head_attention, bidirectional_head_attention_reference
+from amphista_kernels.head_attention import MAX_HEAD_POSITIONS, SUPPORTED_HEAD_DIMS
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -415,6 +415,48 @@ def _embedding_weight(embed_tokens: nn.Embedding | torch.Tensor) -> torch.Tensor
     return embed_tokens.weight if isinstance(embed_tokens, nn.Module) else embed_tokens
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as config.json files spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def save_weights(tensors: dict[str, torch.Tensor], directory: str | os.PathLike, dtype: torch.dtype) -> None:
+    """Write `directory`/model.safetensors, floating tensors cast to `dtype`
+    (integer buffers such as id maps keep their dtype)."""
+    tensors = {
+        name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).detach().cpu().contiguous()
+        for name, tensor in tensors.items()
+    }
+    save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def load_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read `directory`/model.safetensors; FileNotFoundError if absent,
+    ValueError if truncated or corrupt."""
+    path = os.path.join(directory, WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}")
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise ValueError(f"{path} is truncated or corrupt: {error}") from error
+
+
+def check_weights_match(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], source: str) -> None:
+    """One ValueError listing every missing, unexpected or misshapen tensor."""
+    missing = sorted(expected.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected.keys())
+    misshapen = [
+        f"{name}: {list(tensors[name].shape)} (expected {list(expected[name].shape)})"
+        for name in sorted(expected.keys() & tensors.keys())
+        if tensors[name].shape != expected[name].shape
+    ]
+    if missing or unexpected or misshapen:
+        raise ValueError(
+            f"{source} does not match the model: missing {missing}, unexpected {unexpected}, wrong shapes {misshapen}"
+        )
+
+
 class AmphistaDrafter(nn.Module):
     """Fusion, staged adaptation layers, Auto-embedding Block and vocabulary projection."""
 
@@ -497,8 +539,9 @@ class AmphistaDrafter(nn.Module):
         elif draft_to_target is not None:
             raise ValueError("draft_to_target given, but the config has draft_vocab_size = 0")
         if self.lm_head is not None:
-            rows = target_lm_head_weight if self.draft_to_target is None else target_lm_head_weight[self.draft_to_target]
-            self.lm_head.weight.copy_(rows)
+            self.lm_head.weight.copy_(
+                target_lm_head_weight if self.draft_to_target is None else target_lm_head_weight[self.draft_to_target]
+            )
 
     def vocab_weight(self, target_lm_head_weight: torch.Tensor | None) -> torch.Tensor:
         """The [V_draft or V, H] matrix the heads project onto."""
@@ -580,19 +623,7 @@ class AmphistaDrafter(nn.Module):
 
     def load_checkpoint_state_dict(self, tensors: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Load checkpoint-named tensors, with one clear error for missing, extra or misshapen ones."""
-        expected = self.checkpoint_state_dict()
-        missing = sorted(expected.keys() - tensors.keys())
-        unexpected = sorted(tensors.keys() - expected.keys())
-        misshapen = [
-            f"{name}: {list(tensors[name].shape)} (expected {list(expected[name].shape)})"
-            for name in sorted(expected.keys() & tensors.keys())
-            if tensors[name].shape != expected[name].shape
-        ]
-        if missing or unexpected or misshapen:
-            raise ValueError(
-                f"{source} does not match the Amphista config: missing {missing}, "
-                f"unexpected {unexpected}, wrong shapes {misshapen}"
-            )
+        check_weights_match(self.checkpoint_state_dict(), tensors, source)
         module_names = {name.removeprefix(AUTO_EMBEDDING_PREFIX): name for name in self.state_dict()}
         self.load_state_dict({module_names[name]: tensor for name, tensor in tensors.items()})
 
@@ -600,29 +631,19 @@ class AmphistaDrafter(nn.Module):
         """Write config.json and model.safetensors (floating tensors in ``dtype``;
         the target's shared embedding and lm_head are never saved)."""
         os.makedirs(save_directory, exist_ok=True)
-        self.config.dtype = str(dtype).removeprefix("torch.")
+        self.config.dtype = dtype_name(dtype)
         self.config.save_pretrained(save_directory)
-        tensors = {
-            name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).detach().cpu().contiguous()
-            for name, tensor in self.checkpoint_state_dict().items()
-        }
-        save_file(tensors, os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
+        save_weights(self.checkpoint_state_dict(), save_directory, dtype)
 
     @classmethod
     def from_pretrained(
         cls, directory: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> AmphistaDrafter:
-        """Load a drafter saved by save_pretrained (a local directory or hub id for the config)."""
+        """Load a drafter saved by save_pretrained, in `dtype` (default: as saved)."""
         config = AmphistaConfig.from_pretrained(directory)
-        weights_path = os.path.join(directory, WEIGHTS_NAME)
-        if not os.path.isfile(weights_path):
-            raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}")
-        try:
-            tensors = load_file(weights_path)
-        except SafetensorError as error:
-            raise ValueError(f"{weights_path} is truncated or corrupt: {error}") from error
+        tensors = load_weights(directory)
         model = cls(config)
-        model.load_checkpoint_state_dict(tensors, source=weights_path)
+        model.load_checkpoint_state_dict(tensors, source=os.path.join(directory, WEIGHTS_NAME))
         if dtype is None:
-            dtype = next(iter(t for t in tensors.values() if t.is_floating_point())).dtype
+            dtype = next(tensor.dtype for tensor in tensors.values() if tensor.is_floating_point())
         return model.to(device=device, dtype=dtype)

@@ -1,6 +1,6 @@
 """Triton kernels for the Amphista drafter; independent of vLLM and vllm_amphista."""
 
-from triton_kernels.head_attention import (
+from amphista_kernels.head_attention import (
     bidirectional_head_attention,
     bidirectional_head_attention_reference,
     bidirectional_head_attention_triton,

@@ -1,9 +1,9 @@
-"""Tests for triton_kernels.head_attention, runnable on a CPU-only machine.
+"""Tests for amphista_kernels.head_attention, runnable on a CPU-only machine.
 
 How the Triton kernel runs without a GPU
 ----------------------------------------
 Triton 3.9 picks interpreter or compiler when ``@triton.jit`` decorates the
-kernel, i.e. when ``triton_kernels.head_attention`` is first imported: it then
+kernel, i.e. when ``amphista_kernels.head_attention`` is first imported: it then
 reads ``TRITON_INTERPRET`` (``triton.knobs.runtime.interpret``). The
 interpreter copies every tensor argument's storage to the host, runs the grid
 program by program with numpy and copies the results back, so the launcher
@@ -46,12 +46,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from triton_kernels import (
+from amphista_kernels import (
     bidirectional_head_attention,
     bidirectional_head_attention_reference,
     bidirectional_head_attention_triton,
 )
-from triton_kernels import head_attention
+from amphista_kernels import head_attention
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 300
@@ -213,7 +213,7 @@ def run_reference(inputs) -> torch.Tensor:
 INTERPRETER_WORKER = textwrap.dedent("""
     import sys
     import torch
-    from triton_kernels import head_attention
+    from amphista_kernels import head_attention
 
     inputs = torch.load(sys.argv[1])
     outputs = {}
@@ -382,7 +382,7 @@ VLLM_BACKEND_PROBE = textwrap.dedent("""
         # decides whether triton is installed.
         sys.modules["triton"] = None
     else:
-        import triton_kernels  # noqa: F401  (imports triton before vLLM, as the plugin will)
+        import amphista_kernels  # noqa: F401  (imports triton before vLLM, as the plugin will)
 
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config

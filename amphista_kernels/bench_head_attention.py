@@ -6,7 +6,7 @@ views (no copies) and the ``num_valid`` key mask as a [B, 1, 1, K] boolean
 ``attn_mask``; its output is transposed back, again as a view. Both results
 are checked against each other on the specified (valid) query rows.
 
-    python -m triton_kernels.bench_head_attention [--runs 100] ...
+    python -m amphista_kernels.bench_head_attention [--runs 100] ...
 """
 
 import argparse
@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from triton_kernels.head_attention import bidirectional_head_attention_triton
+from amphista_kernels.head_attention import bidirectional_head_attention_triton
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # Looser than the unit tests: SDPA rounds its probabilities to the input dtype.

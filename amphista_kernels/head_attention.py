@@ -220,7 +220,7 @@ def bidirectional_head_attention_triton(q, k, v, num_valid=None, scale=None, out
     if not q.is_cuda and not _KERNEL_IS_INTERPRETED:
         raise ValueError(
             f"the Triton kernel needs CUDA tensors, got {q.device}; set TRITON_INTERPRET=1 "
-            "before importing triton_kernels to run it on CPU tensors")
+            "before importing amphista_kernels to run it on CPU tensors")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
 

@@ -1,0 +1,99 @@
+"""The demo target (SmolLM2-135M-Instruct converted from PyPI's GGUF) in vLLM,
+with the shipped heads. Built by `make target`, which `make test` runs first.
+
+The fast test checks the conversion gives a sensible model. The slow ones
+(`make test-slow`) check losslessness on real benchmark prompts in float32
+and that the shipped heads really accelerate (a floor, not the goal).
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import REPO_ROOT, run_engine
+
+TARGET = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+SPEC_BENCH = REPO_ROOT.parent / "shared" / "data" / "eval" / "spec_bench_question.jsonl"
+MT_BENCH = REPO_ROOT.parent / "shared" / "data" / "eval" / "mt_bench_question.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    if not (TARGET / "model.safetensors").is_file():
+        pytest.fail(f"demo target missing at {TARGET}: run `make target`")
+    return AutoTokenizer.from_pretrained(TARGET)
+
+
+def chat_requests(tokenizer, questions, max_tokens):
+    from vllm_amphista.train.generate import chat_prompt_ids
+
+    return [{"prompt_token_ids": chat_prompt_ids(tokenizer, q), "max_tokens": max_tokens} for q in questions]
+
+
+def first_turns(path, categories=None, per_category=None):
+    counts, turns = {}, []
+    for line in open(path):
+        record = json.loads(line)
+        if categories and record["category"] not in categories:
+            continue
+        counts[record["category"]] = counts.get(record["category"], 0) + 1
+        if per_category is None or counts[record["category"]] <= per_category:
+            turns.append(record["turns"][0])
+    return turns
+
+
+def test_converted_target_answers_sensibly(tokenizer):
+    requests = chat_requests(tokenizer, ["What is the capital of France?"], max_tokens=24)
+    run = run_engine(TARGET, requests, dtype="bfloat16", max_model_len=512)
+    answer = tokenizer.decode(run["token_ids"][0], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_shipped_heads_exist_and_fit_the_target():
+    from vllm_amphista.heads_dir import check_amphista_heads
+    from vllm_amphista.measure import SHIPPED_HEADS
+    from transformers import AutoConfig
+
+    assert check_amphista_heads(SHIPPED_HEADS, AutoConfig.from_pretrained(TARGET), 4) >= 4
+    assert os.path.getsize(os.path.join(SHIPPED_HEADS, "model.safetensors")) < 50 * 2**20
+
+
+@pytest.mark.slow
+def test_amphista_lossless_on_spec_bench(tokenizer):
+    """26 Spec-Bench prompts (2 of each of its 13 categories), float32: identical to plain decoding."""
+    from vllm_amphista.measure import SHIPPED_HEADS
+
+    requests = chat_requests(tokenizer, first_turns(SPEC_BENCH, per_category=2), max_tokens=96)
+    assert len(requests) >= 20
+    plain = run_engine(TARGET, requests, max_model_len=2048, timeout=1800)
+    spec = run_engine(TARGET, requests, {"method": "amphista", "model": SHIPPED_HEADS, "num_speculative_tokens": 4},
+                      max_model_len=2048, timeout=1800)
+    for index, (got, expected) in enumerate(zip(spec["token_ids"], plain["token_ids"])):
+        assert got == expected, f"Spec-Bench prompt {index} differs"
+
+
+@pytest.mark.slow
+def test_anpd_lossless_on_summarization_and_rag(tokenizer):
+    requests = chat_requests(tokenizer, first_turns(SPEC_BENCH, {"summarization", "rag"}, per_category=5), 96)
+    plain = run_engine(TARGET, requests, max_model_len=2048, timeout=1800)
+    spec = run_engine(TARGET, requests, {"method": "anpd", "num_speculative_tokens": 4}, max_model_len=2048,
+                      timeout=1800)
+    for index, (got, expected) in enumerate(zip(spec["token_ids"], plain["token_ids"])):
+        assert got == expected, f"prompt {index} differs"
+    assert spec["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_shipped_heads_mean_accepted_length_on_mt_bench(tokenizer):
+    """A floor that catches broken wiring (tau over all steps > 1.5), not the goal."""
+    from vllm_amphista.measure import SHIPPED_HEADS
+
+    requests = chat_requests(tokenizer, first_turns(MT_BENCH, per_category=2), max_tokens=128)
+    spec = run_engine(TARGET, requests, {"method": "amphista", "model": SHIPPED_HEADS, "num_speculative_tokens": 4},
+                      dtype="bfloat16", max_model_len=2048, timeout=1800)
+    generated = sum(len(ids) for ids in spec["token_ids"])
+    tau = generated / (generated - spec["spec"]["vllm:spec_decode_num_accepted_tokens"])
+    assert tau > 1.5, tau
