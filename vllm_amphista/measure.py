@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 # In-process engine: starts in seconds instead of a minute on this CPU.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 
-SHIPPED_HEADS = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-instruct")
+SHIPPED_HEADS_ROOT = os.path.join(os.path.dirname(__file__), "heads")
+SHIPPED_HEADS = os.path.join(SHIPPED_HEADS_ROOT, "smollm2-135m-instruct")
+# Baselines trained for the same target, for the benchmark.
+SHIPPED_MEDUSA_HEADS = os.path.join(SHIPPED_HEADS_ROOT, "smollm2-135m-instruct-medusa")
+SHIPPED_EAGLE_HEADS = os.path.join(SHIPPED_HEADS_ROOT, "smollm2-135m-instruct-eagle")
 
 
 def set_engine_env(kv_cache_gib: int = 2) -> None:
@@ -60,16 +64,22 @@ class SpecCounters:
                 counters.accepted_per_position = [int(v) for v in metric.values]
         return counters
 
-    def __sub__(self, earlier: SpecCounters) -> SpecCounters:
-        positions = max(len(self.accepted_per_position), len(earlier.accepted_per_position))
+    def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
+        positions = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = self.accepted_per_position + [0] * (positions - len(self.accepted_per_position))
-        theirs = earlier.accepted_per_position + [0] * (positions - len(earlier.accepted_per_position))
+        theirs = other.accepted_per_position + [0] * (positions - len(other.accepted_per_position))
         return SpecCounters(
-            self.drafts - earlier.drafts,
-            self.draft_tokens - earlier.draft_tokens,
-            self.accepted - earlier.accepted,
-            [a - b for a, b in zip(mine, theirs)],
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted + sign * other.accepted,
+            [a + sign * b for a, b in zip(mine, theirs)],
         )
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, +1)
+
+    def __sub__(self, earlier: SpecCounters) -> SpecCounters:
+        return self._combine(earlier, -1)
 
 
 @dataclass
@@ -77,6 +87,15 @@ class RunResult:
     outputs: list[list[int]]
     seconds: float
     spec: SpecCounters
+
+    @classmethod
+    def merged(cls, results: list[RunResult]) -> RunResult:
+        """One result for several runs: outputs concatenated, seconds and counters summed."""
+        return cls(
+            [ids for result in results for ids in result.outputs],
+            sum(result.seconds for result in results),
+            sum((result.spec for result in results), SpecCounters()),
+        )
 
     @property
     def generated(self) -> int:
@@ -101,8 +120,8 @@ class RunResult:
 
 
 def make_engine(target: str, method: str, num_speculative_tokens: int, heads_dir: str | None, dtype: str,
-                max_model_len: int, concurrency: int = 1):
-    """An in-process engine that runs `concurrency` requests at a time."""
+                max_model_len: int, concurrency: int = 1, **llm_options):
+    """An in-process engine that runs `concurrency` requests at a time; `llm_options` go to vLLM's LLM."""
     from vllm import LLM
 
     return LLM(
@@ -113,6 +132,7 @@ def make_engine(target: str, method: str, num_speculative_tokens: int, heads_dir
         enforce_eager=True,
         disable_log_stats=False,
         speculative_config=speculative_config(method, num_speculative_tokens, heads_dir),
+        **llm_options,
     )
 
 

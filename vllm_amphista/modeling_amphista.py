@@ -639,7 +639,7 @@ class AmphistaDrafter(nn.Module):
     def from_pretrained(
         cls, directory: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> AmphistaDrafter:
-        """Load a drafter saved by save_pretrained, in `dtype` (default: as saved)."""
+        """Load a drafter that save_pretrained wrote to a local directory, in `dtype` (default: as saved)."""
         config = AmphistaConfig.from_pretrained(directory)
         tensors = load_weights(directory)
         model = cls(config)

@@ -102,7 +102,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, options_class, help
         else:
             kwargs["type"] = value_type
         if not required:
-            kwargs["default"] = option.default_factory() if option.default_factory is not dataclasses.MISSING else option.default
+            has_factory = option.default_factory is not dataclasses.MISSING
+            kwargs["default"] = option.default_factory() if has_factory else option.default
             if kwargs["default"] not in (None, []):
                 kwargs["help"] += " (default: %(default)s)"
         parser.add_argument(flag, **kwargs)

@@ -15,7 +15,6 @@ with the resumable state (``state.pt``) and ``metrics.json``.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import random
 import time
@@ -27,10 +26,15 @@ from tqdm import tqdm
 
 from vllm_amphista.train.data import DataError, check_token_ids, most_frequent_tokens, read_samples
 from vllm_amphista.train.evaluate import HeadAccuracy, head_accuracy, make_batches
-from vllm_amphista.train.heads import METHOD_CLASSES, METHODS, DraftMethod
+from vllm_amphista.train.heads import (
+    METHOD_CLASSES,
+    METHODS,
+    AmphistaMethod,
+    DraftMethod,
+    EagleMethod,
+    MedusaMethod,
+)
 from vllm_amphista.train.target import DTYPES, HiddenStateCache, load_target
-
-logger = logging.getLogger(__name__)
 
 STATE_NAME = "state.pt"
 METRICS_NAME = "metrics.json"
@@ -88,7 +92,9 @@ class FitOptions:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         ablations = self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
         if ablations and self.method != "amphista":
-            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head apply to --method amphista only")
+            raise ValueError(
+                "--no-encoder/--no-stages/--no-sampled-token/--train-lm-head apply to --method amphista only"
+            )
         if self.num_heads < 1:
             raise ValueError(f"--num-heads must be >= 1, got {self.num_heads}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -109,10 +115,10 @@ class FitResult:
 
 def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | None) -> DraftMethod:
     if options.method == "medusa":
-        return METHOD_CLASSES["medusa"].create(target, draft_to_target, options.num_heads, options.medusa_layers)
+        return MedusaMethod.create(target, draft_to_target, options.num_heads, options.medusa_layers)
     if options.method == "eagle":
-        return METHOD_CLASSES["eagle"].create(target, draft_to_target, options.num_heads, options.eagle_ce_weight)
-    return METHOD_CLASSES["amphista"].create(
+        return EagleMethod.create(target, draft_to_target, options.num_heads, options.eagle_ce_weight)
+    return AmphistaMethod.create(
         target, draft_to_target,
         num_draft_heads=options.num_heads,
         num_near_heads=options.num_near_heads,

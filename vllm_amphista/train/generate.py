@@ -71,7 +71,7 @@ def generate_samples(
         # Written batch by batch so an interrupted run keeps what it made.
         write_samples(
             output_path,
-            [Sample(ids, list(output.outputs[0].token_ids)) for ids, output in zip(batch, outputs)],
+            [Sample(ids, list(output.outputs[0].token_ids)) for ids, output in zip(batch, outputs, strict=True)],
             append=True,
         )
     return len(prompt_ids)

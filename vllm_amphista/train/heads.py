@@ -44,8 +44,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -55,7 +53,11 @@ from vllm_amphista.modeling_amphista import (
     AmphistaConfig,
     AmphistaDrafter,
     causal_attention_mask,
+    check_weights_match,
     draft_logits,
+    dtype_name,
+    load_weights,
+    save_weights,
 )
 from vllm_amphista.train.data import Sample
 from vllm_amphista.train.target import Target, right_pad
@@ -82,14 +84,15 @@ class Batch:
         token_ids, padding_mask = right_pad(sequences)
         hidden = torch.zeros(*token_ids.shape, hidden_states[0].shape[-1], dtype=hidden_states[0].dtype)
         loss_mask = torch.zeros_like(padding_mask)
-        for row, (sample, sequence) in enumerate(zip(samples, sequences)):
+        for row, (sample, sequence) in enumerate(zip(samples, sequences, strict=True)):
             hidden[row, : len(sequence)] = hidden_states[row][: len(sequence)]
             first = 0 if train_on_prompt else len(sample.prompt_ids) - 1
             loss_mask[row, first : len(sequence) - 1] = True  # x_{t+1} must exist
         return cls(hidden, token_ids, padding_mask, loss_mask)
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(tensor.to(device) for tensor in (self.hidden, self.token_ids, self.padding_mask, self.loss_mask)))
+        tensors = (self.hidden, self.token_ids, self.padding_mask, self.loss_mask)
+        return Batch(*(tensor.to(device) for tensor in tensors))
 
     @property
     def next_token_ids(self) -> torch.Tensor:
@@ -167,33 +170,6 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"no {path.name} in {path.parent}")
-    try:
-        return load_file(path)
-    except SafetensorError as error:
-        raise ValueError(f"{path} is truncated or corrupt: {error}") from error
-
-
-def _load_exact(module: nn.Module, tensors: dict[str, torch.Tensor], source: Path) -> None:
-    """load_state_dict with one readable error for missing/unexpected/misshapen tensors."""
-    expected = module.state_dict()
-    missing = sorted(expected.keys() - tensors.keys())
-    unexpected = sorted(tensors.keys() - expected.keys())
-    misshapen = [name for name in expected.keys() & tensors.keys() if expected[name].shape != tensors[name].shape]
-    if missing or unexpected or misshapen:
-        raise ValueError(f"{source}: missing {missing}, unexpected {unexpected}, wrong shapes {sorted(misshapen)}")
-    module.load_state_dict(tensors)
-
-
-def _floating(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {
-        name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).detach().cpu().contiguous()
-        for name, tensor in tensors.items()
-    }
-
-
 class DraftMethod(nn.Module):
     """What fit and eval need from a drafter: loss, per-head logits, save and load."""
 
@@ -206,7 +182,9 @@ class DraftMethod(nn.Module):
         """[B, T, K, vocab.size] logits, head k at position t drafting x_{t+2+k}."""
         raise NotImplementedError
 
-    def training_loss(self, batch: Batch, target: Target, head_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_loss(
+        self, batch: Batch, target: Target, head_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scalar loss, per-head CE) on one batch."""
         raise NotImplementedError
 
@@ -232,9 +210,8 @@ class AmphistaMethod(DraftMethod):
 
     @classmethod
     def create(cls, target: Target, draft_to_target: torch.Tensor | None, **config_overrides) -> AmphistaMethod:
-        config = AmphistaConfig.from_target_config(
-            target.model.config, draft_vocab_size=0 if draft_to_target is None else len(draft_to_target), **config_overrides
-        )
+        draft_vocab_size = 0 if draft_to_target is None else len(draft_to_target)
+        config = AmphistaConfig.from_target_config(target.config, draft_vocab_size=draft_vocab_size, **config_overrides)
         drafter = AmphistaDrafter(config)
         drafter.init_from_target(target.lm_head_weight.detach().float(), draft_to_target)
         return cls(drafter)
@@ -348,24 +325,25 @@ class MedusaMethod(DraftMethod):
             "truncated_vocab_size": self.vocab_size,
             "medusa_fc_bias": True,
             "original_lm_head": True,
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": dtype_name(dtype),
         }
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         tensors = {f"blocks.{name}": tensor for name, tensor in self.blocks.state_dict().items()}
         tensors["lm_heads.0.weight"] = self.lm_head_weight
-        save_file(_floating(tensors, dtype), directory / WEIGHTS_NAME, metadata={"format": "pt"})
+        save_weights(tensors, directory, dtype)
 
     @classmethod
     def load(cls, directory: Path, target: Target) -> MedusaMethod:
         config = _read_json(directory / CONFIG_NAME)
         target.check_matches(config["hidden_size"], config["vocab_size"], str(directory))
-        tensors = _load_safetensors(directory / WEIGHTS_NAME)
+        tensors = load_weights(directory)
         lm_head_weight = tensors.pop("lm_heads.0.weight", None)
         if lm_head_weight is None or not config.get("original_lm_head"):
             raise ValueError(f"{directory}: only Medusa heads with one shared lm_head (original_lm_head) are supported")
         method = cls(config["hidden_size"], config["num_heads"], config["num_hidden_layers"], lm_head_weight)
-        _load_exact(method.blocks, {name.removeprefix("blocks."): t.float() for name, t in tensors.items()},
-                    directory / WEIGHTS_NAME)
+        blocks = {name.removeprefix("blocks."): tensor.float() for name, tensor in tensors.items()}
+        check_weights_match(method.blocks.state_dict(), blocks, str(directory / WEIGHTS_NAME))
+        method.blocks.load_state_dict(blocks)
         return method
 
 
@@ -458,17 +436,18 @@ class EagleMethod(DraftMethod):
     def save(self, directory, dtype=torch.bfloat16):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.layer_config.dtype = str(dtype).removeprefix("torch.")
+        self.layer_config.dtype = dtype_name(dtype)
         self.layer_config.save_pretrained(directory)
-        save_file(_floating(self.state_dict(), dtype), directory / WEIGHTS_NAME, metadata={"format": "pt"})
+        save_weights(self.state_dict(), directory, dtype)
 
     @classmethod
     def load(cls, directory: Path, target: Target, num_steps: int = 4) -> EagleMethod:
         config = _read_json(directory / CONFIG_NAME)
         target.check_matches(config["hidden_size"], config["vocab_size"], str(directory))
         method = cls(target.config, num_steps)
-        tensors = _load_safetensors(directory / WEIGHTS_NAME)
-        _load_exact(method, {name: tensor.float() for name, tensor in tensors.items()}, directory / WEIGHTS_NAME)
+        tensors = {name: tensor.float() for name, tensor in load_weights(directory).items()}
+        check_weights_match(method.state_dict(), tensors, str(directory / WEIGHTS_NAME))
+        method.load_state_dict(tensors)
         return method
 
 
@@ -482,7 +461,8 @@ def _chain_attention_mask(padding_mask: torch.Tensor, num_steps: int) -> torch.T
     nothing = torch.zeros_like(prefix)
     rows = []
     for query_step in range(num_steps):
-        blocks = [prefix] + [same_position if 1 <= key_step <= query_step else nothing for key_step in range(1, num_steps)]
+        own_steps = [same_position if key_step <= query_step else nothing for key_step in range(1, num_steps)]
+        blocks = [prefix] + own_steps
         rows.append(torch.cat(blocks, dim=-1))
     return torch.cat(rows, dim=-2)
 
@@ -496,8 +476,7 @@ def detect_method(directory: str | os.PathLike) -> str:
     model_type = _read_json(config_path).get("model_type")
     if model_type in ("amphista", "medusa"):
         return model_type
-    with_fc = directory / WEIGHTS_NAME
-    if with_fc.is_file() and "fc.weight" in _load_safetensors(with_fc):
+    if "fc.weight" in load_weights(directory):
         return "eagle"
     raise ValueError(f"{directory} holds neither Amphista, Medusa nor EAGLE heads (model_type {model_type!r})")
 

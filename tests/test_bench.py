@@ -1,0 +1,67 @@
+"""`python -m vllm_amphista.bench --quick` end to end on the random tiny Llama:
+every method and category gets a row, float32 speculation is lossless, the
+plots are PNGs, and a method without weights is reported as skipped."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO_ROOT, VLLM_CPU_TEST_ENV, write_jsonl
+
+CATEGORIES = ("writing", "coding")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def random_amphista_heads(target_dir, directory):
+    from transformers import AutoConfig
+
+    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
+
+    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_heads=4)
+    torch.manual_seed(1)
+    AmphistaDrafter(config).save_pretrained(directory, dtype=torch.float32)
+    return directory
+
+
+def spec_bench_questions(path):
+    """Spec-Bench-format questions in the tiny tokenizer's words; repeated phrases give ANPD matches."""
+    records = []
+    for index in range(4):
+        phrase = " ".join(f"w{(7 * index + step) % 280}" for step in range(4))
+        records.append({"question_id": index, "category": CATEGORIES[index % 2],
+                        "turns": [f"what is the answer to question ? {phrase} {phrase} {phrase}", "unused"]})
+    return write_jsonl(path, records)
+
+
+def test_quick_bench(tiny_llama_dir, tmp_path):
+    heads = random_amphista_heads(tiny_llama_dir, tmp_path / "heads")
+    out = tmp_path / "bench_out"
+    command = [
+        sys.executable, "-m", "vllm_amphista.bench", "--quick", "--target", str(tiny_llama_dir),
+        "--methods", "vanilla,anpd,amphista,medusa", "--heads", str(heads),
+        "--medusa-heads", str(tmp_path / "no-medusa-heads"), "--dtype", "float32", "--max-model-len", "256",
+        "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")), "--out", str(out),
+    ]
+    completed = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV},
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+
+    results = json.loads((out / "results.json").read_text())
+    runs = {run["label"]: run for run in results["runs"]}
+    assert runs["medusa"]["status"] == "skipped" and "no-medusa-heads" in runs["medusa"]["reason"]
+    assert "medusa | skipped:" in completed.stdout
+    for label in ("vanilla", "anpd", "amphista"):
+        assert runs[label]["status"] == "ok"
+        figures = runs[label]["figures"]
+        assert set(figures) == {"all", *CATEGORIES}
+        for category, figure in figures.items():
+            assert figure["tau"] >= 1, (label, category)
+            assert figure["differing_prompts"] == 0, (label, category)  # float32: lossless
+    assert all(figure["tau"] == 1 for figure in runs["vanilla"]["figures"].values())
+    assert runs["amphista"]["figures"]["all"]["vllm_mean_acceptance_length"] is not None  # it drafted
+    for plot in ("acceptance_by_position.png", "speedup_by_category.png"):
+        assert (out / plot).read_bytes().startswith(PNG_SIGNATURE)
+    assert (out / "results.md").read_text().strip() in completed.stdout
