@@ -46,8 +46,9 @@ def first_turns(path, categories=None, per_category=None):
 
 
 def test_converted_target_answers_sensibly(tokenizer):
+    # float32: vLLM-CPU's bf16 kernels answer this prompt in French (transformers' bf16 says Paris).
     requests = chat_requests(tokenizer, ["What is the capital of France?"], max_tokens=24)
-    run = run_engine(TARGET, requests, dtype="bfloat16", max_model_len=512)
+    run = run_engine(TARGET, requests, dtype="float32", max_model_len=512)
     answer = tokenizer.decode(run["token_ids"][0], skip_special_tokens=True)
     assert "Paris" in answer, answer
 

