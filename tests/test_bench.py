@@ -7,23 +7,10 @@ import os
 import subprocess
 import sys
 
-import torch
-
 from conftest import REPO_ROOT, VLLM_CPU_TEST_ENV, write_jsonl
 
 CATEGORIES = ("writing", "coding")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def random_amphista_heads(target_dir, directory):
-    from transformers import AutoConfig
-
-    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
-
-    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_heads=4)
-    torch.manual_seed(1)
-    AmphistaDrafter(config).save_pretrained(directory, dtype=torch.float32)
-    return directory
 
 
 def spec_bench_questions(path):
@@ -36,8 +23,8 @@ def spec_bench_questions(path):
     return write_jsonl(path, records)
 
 
-def test_quick_bench(tiny_llama_dir, tmp_path):
-    heads = random_amphista_heads(tiny_llama_dir, tmp_path / "heads")
+def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
+    heads = random_heads_dir
     out = tmp_path / "bench_out"
     command = [
         sys.executable, "-m", "vllm_amphista.bench", "--quick", "--target", str(tiny_llama_dir),

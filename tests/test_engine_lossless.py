@@ -9,7 +9,6 @@ fills max_model_len. One engine per method, each in its own subprocess.
 import random
 
 import pytest
-import torch
 
 from conftest import TINY_SPECIAL_TOKENS, TINY_WORDS, run_engine
 
@@ -48,23 +47,6 @@ def plain(tiny_llama_dir, requests):
     return run_engine(tiny_llama_dir, requests)
 
 
-@pytest.fixture(scope="module")
-def random_heads(tiny_llama_dir, tmp_path_factory):
-    from transformers import AutoConfig
-
-    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
-
-    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama_dir), num_draft_heads=4)
-    torch.manual_seed(1)
-    drafter = AmphistaDrafter(config)
-    with torch.no_grad():  # move away from the near-identity init, so every part matters
-        for parameter in drafter.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.02)
-    directory = tmp_path_factory.mktemp("random_heads")
-    drafter.save_pretrained(directory, dtype=torch.float32)
-    return directory
-
-
 def assert_same_outputs(spec_run: dict, plain_run: dict, requests: list[dict]) -> None:
     for index, (got, expected) in enumerate(zip(spec_run["token_ids"], plain_run["token_ids"])):
         assert got == expected, f"request {index} ({len(requests[index]['prompt_token_ids'])} prompt tokens) differs"
@@ -78,16 +60,16 @@ def test_plain_run_covers_the_edges(plain, requests):
     assert 1 in lengths
 
 
-def test_amphista_greedy_equals_plain(tiny_llama_dir, random_heads, plain, requests):
+def test_amphista_greedy_equals_plain(tiny_llama_dir, random_heads_dir, plain, requests):
     spec_run = run_engine(tiny_llama_dir, requests,
-                          {"method": "amphista", "model": str(random_heads), "num_speculative_tokens": 4})
+                          {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": 4})
     assert_same_outputs(spec_run, plain, requests)
     assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0  # the drafter really ran
 
 
-def test_amphista_fewer_tokens_than_heads(tiny_llama_dir, random_heads, plain, requests):
+def test_amphista_fewer_tokens_than_heads(tiny_llama_dir, random_heads_dir, plain, requests):
     spec_run = run_engine(tiny_llama_dir, requests,
-                          {"method": "amphista", "model": str(random_heads), "num_speculative_tokens": 2})
+                          {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": 2})
     assert_same_outputs(spec_run, plain, requests)
     drafts = spec_run["spec"]["vllm:spec_decode_num_drafts"]
     # Two tokens per draft, fewer only where max_model_len leaves no room.
