@@ -29,6 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm_amphista.measure import SHIPPED_HEADS, make_engine, run_prompts, set_engine_env
+    from vllm_amphista.train.generate import chat_prompt_ids
 
     set_engine_env()
     heads = args.heads or SHIPPED_HEADS
@@ -43,9 +44,7 @@ def main() -> None:
         llm = make_engine(args.target, method, args.num_speculative_tokens,
                           heads if method == "amphista" else None, dtype="bfloat16", max_model_len=1024)
         tokenizer = llm.get_tokenizer()
-        prompt_ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                              add_generation_prompt=True),
-                                add_special_tokens=False)["input_ids"] for p in PROMPTS]
+        prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in PROMPTS]
         run_prompts(llm, prompt_ids[:1], max_tokens=8)  # warm-up
         results[method] = run_prompts(llm, prompt_ids, max_tokens=args.max_tokens)
         del llm
