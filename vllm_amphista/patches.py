@@ -21,7 +21,9 @@ The patches:
 4. `GPUModelRunner.__init__` (also the CPU runner's base) installs our
    drafters.
 5. `GPUModelRunner.propose_draft_token_ids` calls the ANPD proposer (Amphista
-   goes through the EAGLE branch thanks to 3).
+   goes through the EAGLE branch thanks to 3), and `GPUModelRunner._update_states`
+   hands it the finished request ids the step vLLM frees its own state, so
+   an idle engine holds no N-gram tables.
 6. `VllmConfig._get_v2_model_runner_unsupported_features` keeps our methods
    on the V1 model runner, the one these patches target.
 7. `EngineArgs.add_cli_args` adds `--speculative-model` and
@@ -211,8 +213,9 @@ def _dispatch_anpd_proposals() -> None:
         ["self", "scheduler_output", "sampled_token_ids"],
         "GPUModelRunner.propose_draft_token_ids",
     )
+    _expect_params(GPUModelRunner._update_states, ["self", "scheduler_output"], "GPUModelRunner._update_states")
 
-    def make_wrapper(original):
+    def make_propose_wrapper(original):
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
             if self.speculative_config.method != "anpd":
                 return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -224,7 +227,19 @@ def _dispatch_anpd_proposals() -> None:
 
         return propose_draft_token_ids
 
-    _wrap(GPUModelRunner, "propose_draft_token_ids", make_wrapper)
+    def make_update_wrapper(original):
+        # The step that hands the runner the last finished ids may schedule no
+        # tokens and never reach the drafter: free the tables here instead.
+        def _update_states(self, scheduler_output, *args, **kwargs):
+            spec = self.speculative_config
+            if spec is not None and spec.method == "anpd" and hasattr(self, "drafter"):
+                self.drafter.drop_finished(scheduler_output.finished_req_ids)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return _update_states
+
+    _wrap(GPUModelRunner, "propose_draft_token_ids", make_propose_wrapper)
+    _wrap(GPUModelRunner, "_update_states", make_update_wrapper)
 
 
 def _keep_plugin_methods_on_v1_runner() -> None:

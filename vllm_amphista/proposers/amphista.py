@@ -12,6 +12,16 @@ chain at once.
 Drafts are the heads' greedy tokens, so they are deterministic and no draft
 probabilities go to the rejection sampler: greedy verification reproduces
 the target's output exactly and sampled verification stays exact.
+
+Why the chain is each head's top-1 and not a top-k search by joint score:
+the one pass gives every head's distribution without knowing which tokens
+the other heads will propose (the encoder mixes head states, not chosen
+tokens), so the drafter's joint belief over a chain is the product of the
+heads' marginals. Both the chain's joint score prod_k p_k(x_k) and its
+expected accepted length sum_i prod_{k<=i} p_k(x_k) grow with each p_k(x_k)
+separately, so both are maximised by each head's own argmax: a top-k search
+returns the top-1 chain. A joint choice pays only with passes conditioned
+on the chosen tokens, the autoregressive loop Amphista removes.
 """
 
 from __future__ import annotations

@@ -3,16 +3,17 @@
 Runs after the runner's bookkeeping, like vLLM's ngram proposer, on the CPU
 copy of each request's tokens. The tables (vllm_amphista/anpd.py) absorb only
 the tokens added since the last step, so a step costs what was accepted, not
-the context length. Requests that leave the batch (finished, aborted or
-preempted) are dropped each step; a preempted request is rebuilt from its
-tokens when it returns.
+the context length. Finished and aborted requests are dropped the step vLLM
+frees them (`drop_finished`, called from the runner's state update); requests
+that left the batch otherwise (preempted) are dropped when the next batch
+drafts, and rebuilt from their tokens when they return.
 """
 
 from __future__ import annotations
 
 from vllm_amphista.anpd import AnpdDrafter
 
-# Contexts kept per request: a 4k-token request needs about 3 x 4k at N=4.
+# Contexts kept per request: a 4k-token request needs about 4 x 4k at N=5.
 MAX_CONTEXTS_PER_REQUEST = 65536
 
 
@@ -39,6 +40,10 @@ class AnpdProposer:
             self.drafter.sync(req_id, input_batch.token_ids_cpu[row, :num_tokens])
             drafts.append(self.drafter.draft(req_id, room))
         return drafts
+
+    def drop_finished(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.drafter.drop(req_id)
 
     def load_model(self, *args, **kwargs) -> None:
         pass  # training-free

@@ -1,0 +1,168 @@
+"""Choose ANPD's N: replay the target's greedy answers through every n-gram drafter.
+
+    python -m vllm_amphista.tune_anpd --target models/SmolLM2-135M-Instruct --out bench_out/tune_anpd
+
+Under greedy decoding a chain drafter's acceptance is fixed by the context and
+the target's greedy continuation alone: at each verification step the target
+accepts the longest prefix of the draft that equals its own next tokens, then
+adds one token of its own. So once the target's greedy answers are known (one
+batched vLLM run, cached in `--out`), tau (generated tokens / target steps,
+Spec-Bench's definition) of ANPD at every N, and of vLLM's `ngram` proposer
+(its own matching function, called here), follows exactly and cheaply for all
+questions, with no engine per setting. This is how the default N was chosen;
+`python -m vllm_amphista.bench` then measures the chosen setting's speed in
+vLLM. (bf16 answers drift slightly between batch shapes, so the engine's tau
+can differ from the replay's by a little.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from vllm_amphista.anpd import NgramTables
+
+GREEDY_ANSWERS = "greedy_answers.jsonl"
+# The flags that decide the answers: a cache made with others is regenerated.
+ANSWER_SETTINGS = ("target", "questions", "per_category", "max_tokens", "max_model_len", "dtype")
+DEFAULT_QUESTIONS = "../shared/data/eval/spec_bench_question.jsonl"
+
+
+def accepted_prefix(draft: list[int], truth: list[int]) -> int:
+    accepted = 0
+    for drafted, actual in zip(draft, truth):
+        if drafted != actual:
+            break
+        accepted += 1
+    return accepted
+
+
+def replay(prompt_ids: list[int], output_ids: list[int], k: int, draft_fn, absorb_fn=None) -> tuple[int, int]:
+    """(target steps, drafts proposed) to produce `output_ids` with a chain drafter.
+
+    draft_fn(context, k) returns the draft; absorb_fn(tokens), if given, is
+    told every token that joins the context (an incremental drafter)."""
+    # The prefill step emits the first token; drafting starts after it.
+    context = list(prompt_ids) + list(output_ids[:1])
+    if absorb_fn is not None:
+        absorb_fn(context)
+    position = steps = min(1, len(output_ids))
+    drafts = 0
+    while position < len(output_ids):
+        room = min(k, len(output_ids) - position - 1)  # the step's own token is never drafted
+        draft = draft_fn(context, room) if room > 0 else []
+        drafts += bool(draft)
+        emitted = output_ids[position: position + accepted_prefix(draft, output_ids[position:]) + 1]
+        context += emitted
+        if absorb_fn is not None:
+            absorb_fn(emitted)
+        position += len(emitted)
+        steps += 1
+    return steps, drafts
+
+
+def anpd_steps(prompt_ids: list[int], output_ids: list[int], k: int, max_n: int) -> tuple[int, int]:
+    tables = NgramTables(max_n, max_entries=1 << 30)
+    return replay(prompt_ids, output_ids, k, lambda _context, room: tables.draft(room), tables.extend)
+
+
+def vllm_ngram_steps(prompt_ids: list[int], output_ids: list[int], k: int, min_n: int, max_n: int) -> tuple[int, int]:
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
+
+    def draft(context: list[int], room: int) -> list[int]:
+        tokens = np.asarray(context, dtype=np.int32)
+        return _find_longest_matched_ngram_and_propose_tokens(tokens, min_n, max_n, 1 << 30, room).tolist()
+
+    return replay(prompt_ids, output_ids, k, draft)
+
+
+def greedy_answers(args) -> list[dict]:
+    """The target's greedy answers (cached in --out with the settings that made them), one record per question."""
+    path = Path(args.out) / GREEDY_ANSWERS
+    settings_path = path.with_suffix(".settings.json")
+    settings = {name: getattr(args, name) for name in ANSWER_SETTINGS}
+    if path.exists() and settings_path.exists() and json.loads(settings_path.read_text()) == settings:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_amphista.bench import load_questions
+    from vllm_amphista.measure import set_engine_env
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    questions, notes = load_questions(args.questions, tokenizer, None, args.per_category,
+                                      args.max_model_len - args.max_tokens)
+    for note in notes:
+        print(note)
+    flat = [(category, question) for category, items in questions.items() for question in items]
+    set_engine_env(kv_cache_gib=4)
+    llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
+    outputs = llm.generate([{"prompt_token_ids": q.prompt_ids} for _, q in flat],
+                           SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+    records = [{"category": category, "question_id": question.question_id, "prompt_ids": question.prompt_ids,
+                "output_ids": list(output.outputs[0].token_ids)}
+               for (category, question), output in zip(flat, outputs, strict=True)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    settings_path.write_text(json.dumps(settings))
+    return records
+
+
+def drafters(args) -> dict[str, Callable[[list[int], list[int]], tuple[int, int]]]:
+    rows = {f"anpd N={n}": (lambda p, o, n=n: anpd_steps(p, o, args.k, n)) for n in args.anpd_n}
+    for min_n, max_n in args.ngram:
+        rows[f"vLLM ngram {min_n}..{max_n}"] = lambda p, o, lo=min_n, hi=max_n: vllm_ngram_steps(p, o, args.k, lo, hi)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="target model directory")
+    parser.add_argument("--questions", nargs="+", default=[DEFAULT_QUESTIONS],
+                        help="Spec-Bench / MT-Bench JSONL files (default: %(default)s)")
+    parser.add_argument("--per-category", type=int, help="questions per category (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="default: %(default)s")
+    parser.add_argument("--dtype", default="bfloat16", help="target dtype for the answers (default: %(default)s)")
+    parser.add_argument("-k", type=int, default=4, help="draft tokens per step (default: %(default)s)")
+    parser.add_argument("--anpd-n", type=int, nargs="+", default=[2, 3, 4, 5, 6],
+                        help="ANPD's largest n-gram order N to try (default: %(default)s)")
+    parser.add_argument("--ngram", type=lambda v: tuple(int(x) for x in v.split("..")), nargs="*",
+                        default=[(2, 5)], metavar="MIN..MAX",
+                        help="vLLM ngram windows to compare (default: 2..5, the benchmark's)")
+    parser.add_argument("--out", required=True, help="directory for the cached answers and the table")
+    args = parser.parse_args(argv)
+
+    records = greedy_answers(args)
+    categories = list(dict.fromkeys(record["category"] for record in records))
+    rows = drafters(args)
+    taus: dict[str, dict[str, float]] = {}
+    for label, steps_of in rows.items():
+        totals = {category: [0, 0] for category in categories}  # generated tokens, target steps
+        for record in records:
+            steps, _ = steps_of(record["prompt_ids"], record["output_ids"])
+            totals[record["category"]][0] += len(record["output_ids"])
+            totals[record["category"]][1] += steps
+        overall = [sum(t[0] for t in totals.values()), sum(t[1] for t in totals.values())]
+        taus[label] = {category: tokens / steps for category, (tokens, steps) in {**totals, "all": overall}.items()}
+
+    columns = [*categories, "all"]
+    counts = {category: sum(record["category"] == category for record in records) for category in categories}
+    lines = ["| drafter | " + " | ".join(f"{c} ({counts.get(c, len(records))})" for c in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for label, by_category in taus.items():
+        best = {c: max(taus[other][c] for other in taus) for c in columns}
+        cells = [f"**{by_category[c]:.3f}**" if by_category[c] == best[c] else f"{by_category[c]:.3f}" for c in columns]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    table = f"tau by category (K={args.k}, greedy replay, questions per category in brackets)\n\n" + "\n".join(lines)
+    print(table)
+    (Path(args.out) / "tune_anpd.md").write_text(table + "\n")
+    (Path(args.out) / "tune_anpd.json").write_text(json.dumps(taus, indent=1))
+
+
+if __name__ == "__main__":
+    main()
