@@ -140,11 +140,13 @@ def run_engine(target_dir, requests, speculative_config=None, extra_env=None, ti
                max_model_len: int = 256, dtype: str = "float32", max_num_seqs: int = 16) -> dict:
     """Generate `requests` ([{"prompt_token_ids", "max_tokens", "stop_token_ids"?}]) greedily in a
     fresh in-process engine in a subprocess (vLLM keeps global state: one engine per process);
-    returns {"token_ids": [...], "spec": {metric: value}}."""
+    returns {"token_ids": [...], "target_steps": [...], "spec": {metric: value}}, target_steps
+    being each request's target forward steps (`measure.generate_counting_steps`)."""
     script = textwrap.dedent(
         f"""
         import json
         from vllm import LLM, SamplingParams
+        from vllm_amphista.measure import generate_counting_steps
 
         if __name__ == "__main__":
             requests = json.loads({json.dumps(requests)!r})
@@ -153,11 +155,10 @@ def run_engine(target_dir, requests, speculative_config=None, extra_env=None, ti
                       speculative_config={speculative_config!r})
             params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
                                      stop_token_ids=r.get("stop_token_ids")) for r in requests]
-            outputs = llm.generate([{{"prompt_token_ids": r["prompt_token_ids"]}} for r in requests], params)
+            token_ids, steps = generate_counting_steps(llm, [r["prompt_token_ids"] for r in requests], params)
             spec = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()
                      if m.name.startswith("vllm:spec_decode")}}
-            print("REPORT=" + json.dumps({{"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-                                           "spec": spec}}))
+            print("REPORT=" + json.dumps({{"token_ids": token_ids, "target_steps": steps, "spec": spec}}))
         """
     )
     env = {**os.environ, **VLLM_CPU_TEST_ENV, **(extra_env or {})}

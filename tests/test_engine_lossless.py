@@ -53,6 +53,19 @@ def assert_same_outputs(spec_run: dict, plain_run: dict, requests: list[dict]) -
     assert len(spec_run["token_ids"]) == len(requests)
 
 
+def test_target_steps_are_counted_per_request(tiny_llama_dir, plain, requests):
+    """The benchmark's tau denominator: one step per token without speculation; with it, at
+    most one per token and at least what vLLM's counters imply (they also count accepted
+    tokens that max_tokens or a stop token then cut off)."""
+    assert plain["target_steps"] == [len(ids) for ids in plain["token_ids"]]
+    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4})
+    generated = sum(len(ids) for ids in spec_run["token_ids"])
+    assert all(1 <= steps <= len(ids) for steps, ids in zip(spec_run["target_steps"], spec_run["token_ids"])
+               if ids)
+    assert generated - spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] <= sum(spec_run["target_steps"])
+    assert sum(spec_run["target_steps"]) < generated  # drafts were accepted
+
+
 def test_plain_run_covers_the_edges(plain, requests):
     lengths = [len(ids) for ids in plain["token_ids"]]
     assert lengths[-1] == 3  # the near-full prompt still generates up to max_model_len

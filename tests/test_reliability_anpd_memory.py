@@ -105,7 +105,7 @@ def test_state_is_live_while_requests_run_and_never_exceeds_a_batch(run):
     assert max(contexts) <= MAX_NUM_SEQS * ANPD_DEFAULT_MAX_CONTEXT * 40
 
 
-def test_next_request_drops_the_state_of_finished_ones(run):
+def test_a_request_after_idle_holds_only_its_own_tables(run):
     assert run["one_more"] == {"one-more-0": 8}
     requests_tracked, contexts = run["after_one_more"]
     assert requests_tracked == 1 and contexts <= ANPD_DEFAULT_MAX_CONTEXT * (6 + 8)

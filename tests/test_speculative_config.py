@@ -70,10 +70,15 @@ def test_speculative_config_json_with_method(tiny_llama_dir, heads_dir):
 
 
 def test_anpd_config(tiny_llama_dir):
-    config = json.dumps({"method": "anpd", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    from vllm_amphista.heads_dir import ANPD_DEFAULT_MAX_CONTEXT
+
+    config = json.dumps({"method": "anpd", "num_speculative_tokens": 5, "prompt_lookup_max": 6})
     spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
-    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("anpd", 5, 4)
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("anpd", 5, 6)
     assert not spec.use_eagle()
+    config = json.dumps({"method": "anpd", "num_speculative_tokens": 2})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, ANPD_DEFAULT_MAX_CONTEXT)
 
 
 def error_of(cli_args: list[str]) -> str:

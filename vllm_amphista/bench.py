@@ -24,8 +24,10 @@ How it runs
 
 What each figure is (per method x category x concurrency)
 - tau: generated tokens / target forward steps, over ALL steps (Spec-Bench's
-  mean accepted length). Each step emits 1 + (drafts accepted), so
-  steps = generated - accepted. Vanilla's tau is exactly 1.
+  mean accepted length). A request's steps are the engine steps in which it
+  received tokens, counted as the engine runs (vLLM's counters would
+  undercount them: drafts verified past max_tokens or EOS count as accepted
+  and are then cut). Vanilla's tau is exactly 1.
 - vLLM mean acc. len: vLLM's own 1 + accepted / drafts, over steps that had
   drafts only; it overstates drafters that often propose nothing.
 - acceptance by position: drafts accepted at position i / drafts.
@@ -506,7 +508,7 @@ def raw_record(concurrency: int, row: MethodRun, figures: dict | None, questions
         "repeats": [
             {category: {"seconds": result.seconds, "output_lengths": [len(ids) for ids in result.outputs],
                         "question_ids": [question.question_id for question in questions[category]],
-                        "spec": asdict(result.spec)}
+                        "target_steps": result.target_steps, "spec": asdict(result.spec)}
              for category, result in repeat.items()}
             for repeat in row.repeats
         ],

@@ -126,9 +126,9 @@ def resolve_plugin_method(spec) -> str | None:
     return method
 
 
-# Longest n-gram context (N-1), i.e. N=5: the smallest N whose tau is within 0.5% of the best N
-# tried (2..16) on all 480 Spec-Bench questions (`python -m vllm_amphista.tune_anpd`, BENCHMARKS.md).
-ANPD_DEFAULT_MAX_CONTEXT = 4
+# Longest n-gram context (N-1), i.e. N=6: what `python -m vllm_amphista.tune_anpd` recommends for the
+# demo target on all 480 Spec-Bench questions (the smallest N within 0.5% of the best tried; BENCHMARKS.md).
+ANPD_DEFAULT_MAX_CONTEXT = 5
 
 
 def check_anpd_options(spec) -> None:

@@ -2,15 +2,18 @@
 
 Shared by the quickstart and the benchmark so that both count the same way:
 - tau (Spec-Bench's mean accepted length): generated tokens / target forward
-  steps, over ALL steps. Every step emits 1 + (drafts accepted that step)
-  tokens, so steps = generated - accepted, whether or not the drafter
-  proposed anything that step.
+  steps, over ALL steps, whether or not the drafter proposed anything. The
+  steps are counted, not derived from vLLM's counters: a request's steps are
+  the engine steps in which it received tokens. (generated - accepted would
+  undercount them: vLLM drafts past max_tokens and EOS and counts the
+  accepted tokens it then cuts off.)
 - vLLM's own figure, 1 + accepted / drafts, counts only steps that had drafts
   and so overstates sparse drafters; it is reported beside tau, labelled.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -87,6 +90,7 @@ class RunResult:
     outputs: list[list[int]]
     seconds: float
     spec: SpecCounters
+    target_steps: int  # target forward steps that produced tokens, summed over requests
 
     @classmethod
     def merged(cls, results: list[RunResult]) -> RunResult:
@@ -95,6 +99,7 @@ class RunResult:
             [ids for result in results for ids in result.outputs],
             sum(result.seconds for result in results),
             sum((result.spec for result in results), SpecCounters()),
+            sum(result.target_steps for result in results),
         )
 
     @property
@@ -108,7 +113,7 @@ class RunResult:
     @property
     def tau(self) -> float:
         """Generated tokens per target forward step, over all steps."""
-        return self.generated / max(self.generated - self.spec.accepted, 1)
+        return self.generated / max(self.target_steps, 1)
 
     @property
     def vllm_mean_acceptance_length(self) -> float | None:
@@ -136,6 +141,31 @@ def make_engine(target: str, method: str, num_speculative_tokens: int, heads_dir
     )
 
 
+def generate_counting_steps(llm, prompt_token_ids: list[list[int]], params) -> tuple[list[list[int]], list[int]]:
+    """`llm.generate`, stepping the engine by hand: (output token ids, target
+    forward steps) per prompt. `params`: one SamplingParams or one per prompt."""
+    engine = llm.llm_engine
+    if not isinstance(params, list):
+        params = [params] * len(prompt_token_ids)
+    request_ids = [f"measure-{next(_request_numbers)}" for _ in prompt_token_ids]
+    for request_id, prompt, request_params in zip(request_ids, prompt_token_ids, params, strict=True):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, request_params)
+    row = {request_id: index for index, request_id in enumerate(request_ids)}
+    outputs: list[list[int]] = [[] for _ in request_ids]
+    steps = [0] * len(request_ids)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            index = row[output.request_id]
+            token_ids = output.outputs[0].token_ids  # cumulative
+            if len(token_ids) > len(outputs[index]):
+                steps[index] += 1
+                outputs[index] = list(token_ids)
+    return outputs, steps
+
+
+_request_numbers = itertools.count()
+
+
 def run_prompts(llm, prompt_token_ids: list[list[int]], max_tokens: int, temperature: float = 0.0,
                 seed: int = 0) -> RunResult:
     """Generate for every prompt (the engine's max_num_seqs sets how many run at once); time and count it."""
@@ -144,7 +174,6 @@ def run_prompts(llm, prompt_token_ids: list[list[int]], max_tokens: int, tempera
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     before = SpecCounters.read(llm)
     start = time.perf_counter()
-    results = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
+    outputs, steps = generate_counting_steps(llm, prompt_token_ids, params)
     seconds = time.perf_counter() - start
-    outputs = [list(result.outputs[0].token_ids) for result in results]
-    return RunResult(outputs, seconds, SpecCounters.read(llm) - before)
+    return RunResult(outputs, seconds, SpecCounters.read(llm) - before, sum(steps))

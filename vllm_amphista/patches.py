@@ -232,6 +232,7 @@ def _dispatch_anpd_proposals() -> None:
         # tokens and never reach the drafter: free the tables here instead.
         def _update_states(self, scheduler_output, *args, **kwargs):
             spec = self.speculative_config
+            # Only the last pipeline rank has a drafter.
             if spec is not None and spec.method == "anpd" and hasattr(self, "drafter"):
                 self.drafter.drop_finished(scheduler_output.finished_req_ids)
             return original(self, scheduler_output, *args, **kwargs)

@@ -18,6 +18,7 @@ can differ from the replay's by a little.)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -41,8 +42,8 @@ def accepted_prefix(draft: list[int], truth: list[int]) -> int:
     return accepted
 
 
-def replay(prompt_ids: list[int], output_ids: list[int], k: int, draft_fn, absorb_fn=None) -> tuple[int, int]:
-    """(target steps, drafts proposed) to produce `output_ids` with a chain drafter.
+def replay(prompt_ids: list[int], output_ids: list[int], k: int, draft_fn, absorb_fn=None) -> int:
+    """Target steps to produce `output_ids` with a chain drafter.
 
     draft_fn(context, k) returns the draft; absorb_fn(tokens), if given, is
     told every token that joins the context (an incremental drafter)."""
@@ -51,26 +52,25 @@ def replay(prompt_ids: list[int], output_ids: list[int], k: int, draft_fn, absor
     if absorb_fn is not None:
         absorb_fn(context)
     position = steps = min(1, len(output_ids))
-    drafts = 0
     while position < len(output_ids):
-        room = min(k, len(output_ids) - position - 1)  # the step's own token is never drafted
+        # The engine may draft further; tokens past the end would be cut, so the steps are the same.
+        room = min(k, len(output_ids) - position - 1)
         draft = draft_fn(context, room) if room > 0 else []
-        drafts += bool(draft)
         emitted = output_ids[position: position + accepted_prefix(draft, output_ids[position:]) + 1]
         context += emitted
         if absorb_fn is not None:
             absorb_fn(emitted)
         position += len(emitted)
         steps += 1
-    return steps, drafts
+    return steps
 
 
-def anpd_steps(prompt_ids: list[int], output_ids: list[int], k: int, max_n: int) -> tuple[int, int]:
+def anpd_steps(prompt_ids: list[int], output_ids: list[int], k: int, max_n: int) -> int:
     tables = NgramTables(max_n, max_entries=1 << 30)
     return replay(prompt_ids, output_ids, k, lambda _context, room: tables.draft(room), tables.extend)
 
 
-def vllm_ngram_steps(prompt_ids: list[int], output_ids: list[int], k: int, min_n: int, max_n: int) -> tuple[int, int]:
+def vllm_ngram_steps(prompt_ids: list[int], output_ids: list[int], k: int, min_n: int, max_n: int) -> int:
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
 
     def draft(context: list[int], room: int) -> list[int]:
@@ -85,6 +85,7 @@ def greedy_answers(args) -> list[dict]:
     path = Path(args.out) / GREEDY_ANSWERS
     settings_path = path.with_suffix(".settings.json")
     settings = {name: getattr(args, name) for name in ANSWER_SETTINGS}
+    settings["questions_sha256"] = [hashlib.sha256(Path(q).read_bytes()).hexdigest() for q in args.questions]
     if path.exists() and settings_path.exists() and json.loads(settings_path.read_text()) == settings:
         return [json.loads(line) for line in path.read_text().splitlines()]
     from transformers import AutoTokenizer
@@ -112,7 +113,7 @@ def greedy_answers(args) -> list[dict]:
     return records
 
 
-def drafters(args) -> dict[str, Callable[[list[int], list[int]], tuple[int, int]]]:
+def drafters(args) -> dict[str, Callable[[list[int], list[int]], int]]:
     rows = {f"anpd N={n}": (lambda p, o, n=n: anpd_steps(p, o, args.k, n)) for n in args.anpd_n}
     for min_n, max_n in args.ngram:
         rows[f"vLLM ngram {min_n}..{max_n}"] = lambda p, o, lo=min_n, hi=max_n: vllm_ngram_steps(p, o, args.k, lo, hi)
@@ -129,11 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="default: %(default)s")
     parser.add_argument("--dtype", default="bfloat16", help="target dtype for the answers (default: %(default)s)")
     parser.add_argument("-k", type=int, default=4, help="draft tokens per step (default: %(default)s)")
-    parser.add_argument("--anpd-n", type=int, nargs="+", default=[2, 3, 4, 5, 6],
+    parser.add_argument("--anpd-n", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8, 10, 12, 16],
                         help="ANPD's largest n-gram order N to try (default: %(default)s)")
     parser.add_argument("--ngram", type=lambda v: tuple(int(x) for x in v.split("..")), nargs="*",
-                        default=[(2, 5)], metavar="MIN..MAX",
-                        help="vLLM ngram windows to compare (default: 2..5, the benchmark's)")
+                        default=[(2, 5), (1, 3), (1, 5)], metavar="MIN..MAX",
+                        help="vLLM ngram windows to compare (default: 2..5 (the benchmark's), 1..3, 1..5)")
+    parser.add_argument("--tolerance", type=float, default=0.005,
+                        help="recommend the smallest N whose overall tau is within this fraction of the best "
+                             "N tried (default: %(default)s): each level stores one more context per token")
     parser.add_argument("--out", required=True, help="directory for the cached answers and the table")
     args = parser.parse_args(argv)
 
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     for label, steps_of in rows.items():
         totals = {category: [0, 0] for category in categories}  # generated tokens, target steps
         for record in records:
-            steps, _ = steps_of(record["prompt_ids"], record["output_ids"])
+            steps = steps_of(record["prompt_ids"], record["output_ids"])
             totals[record["category"]][0] += len(record["output_ids"])
             totals[record["category"]][1] += steps
         overall = [sum(t[0] for t in totals.values()), sum(t[1] for t in totals.values())]
@@ -154,11 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     counts = {category: sum(record["category"] == category for record in records) for category in categories}
     lines = ["| drafter | " + " | ".join(f"{c} ({counts.get(c, len(records))})" for c in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
+    best = {c: max(by_category[c] for by_category in taus.values()) for c in columns}
     for label, by_category in taus.items():
-        best = {c: max(taus[other][c] for other in taus) for c in columns}
         cells = [f"**{by_category[c]:.3f}**" if by_category[c] == best[c] else f"{by_category[c]:.3f}" for c in columns]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     table = f"tau by category (K={args.k}, greedy replay, questions per category in brackets)\n\n" + "\n".join(lines)
+    anpd_all = {n: taus[f"anpd N={n}"]["all"] for n in args.anpd_n}
+    best_tau = max(anpd_all.values())
+    chosen = min(n for n, tau in anpd_all.items() if tau >= (1 - args.tolerance) * best_tau)
+    table += (f"\n\nRecommended ANPD N = {chosen} (prompt_lookup_max {chosen - 1}): overall tau {anpd_all[chosen]:.4f}, "
+              f"best tried {best_tau:.4f} (N = {max(anpd_all, key=anpd_all.get)}), tolerance {args.tolerance:.1%}")
     print(table)
     (Path(args.out) / "tune_anpd.md").write_text(table + "\n")
     (Path(args.out) / "tune_anpd.json").write_text(json.dumps(taus, indent=1))

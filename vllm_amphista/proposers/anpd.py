@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from vllm_amphista.anpd import AnpdDrafter
 
-# Contexts kept per request: a 4k-token request needs about 4 x 4k at N=5.
+# Contexts kept per request: a 4k-token request needs about 5 x 4k at N=6.
 MAX_CONTEXTS_PER_REQUEST = 65536
 
 
