@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from vllm_amphista.anpd import NgramTables
+from vllm_amphista.bench import DEFAULT_QUESTIONS, load_questions
 
 GREEDY_ANSWERS = "greedy_answers.jsonl"
 # The flags that decide the answers: a cache made with others is regenerated.
 ANSWER_SETTINGS = ("target", "questions", "per_category", "max_tokens", "max_model_len", "dtype")
-DEFAULT_QUESTIONS = "../shared/data/eval/spec_bench_question.jsonl"
 
 
 def accepted_prefix(draft: list[int], truth: list[int]) -> int:
@@ -91,7 +91,6 @@ def greedy_answers(args) -> list[dict]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_amphista.bench import load_questions
     from vllm_amphista.measure import set_engine_env
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
