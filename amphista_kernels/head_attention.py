@@ -19,8 +19,10 @@ the input dtype; all arithmetic is float32.
 Entry points
 ------------
 * ``bidirectional_head_attention`` is the one the drafter calls: the Triton
-  kernel for CUDA tensors, the torch reference for CPU tensors. Inputs are
-  validated first; anything unsupported raises ``ValueError``.
+  kernel for CUDA tensors, the torch reference for CPU tensors, dispatched by
+  the custom op ``amphista_kernels::bidirectional_head_attention`` so that
+  compiled graphs (vLLM's ``support_torch_compile``) call the kernel as it is.
+  Inputs are validated first; anything unsupported raises ``ValueError``.
 * ``bidirectional_head_attention_triton`` launches the kernel. It accepts CPU
   tensors only when Triton runs in interpreter mode (``TRITON_INTERPRET=1``
   set before this module is imported), which is how the tests run it.
@@ -242,10 +244,29 @@ def bidirectional_head_attention_triton(q, k, v, num_valid=None, scale=None, out
     return out
 
 
+# One op for compiled graphs (torch.compile / vLLM's support_torch_compile): opaque to the compiler,
+# the Triton kernel on CUDA and the torch reference on CPU.
+@torch.library.custom_op("amphista_kernels::bidirectional_head_attention", mutates_args=())
+def _head_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_valid: torch.Tensor | None,
+                       scale: float | None) -> torch.Tensor:
+    # Contiguous, as the fake tensor below promises: compiled graphs rely on the output's strides.
+    return bidirectional_head_attention_reference(q, k, v, num_valid, scale).contiguous()
+
+
+@_head_attention_op.register_kernel("cuda")
+def _head_attention_op_cuda(q, k, v, num_valid, scale):
+    return bidirectional_head_attention_triton(q, k, v, num_valid, scale)
+
+
+@_head_attention_op.register_fake
+def _head_attention_op_fake(q, k, v, num_valid, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def bidirectional_head_attention(q, k, v, num_valid=None, scale=None):
     """Bi-directional attention among each request's head positions: the Triton
-    kernel for CUDA tensors, the torch reference for CPU tensors. Both validate
-    their inputs and raise ``ValueError`` on anything unsupported."""
-    if isinstance(q, torch.Tensor) and q.is_cuda:
-        return bidirectional_head_attention_triton(q, k, v, num_valid, scale)
-    return bidirectional_head_attention_reference(q, k, v, num_valid, scale)
+    kernel for CUDA tensors, the torch reference for CPU tensors, through one
+    custom op that compiled graphs keep as it is. Inputs are validated first;
+    anything unsupported raises ``ValueError``."""
+    _validate_inputs(q, k, v, num_valid, scale)
+    return _head_attention_op(q, k, v, num_valid, None if scale is None else float(scale))

@@ -14,7 +14,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_amphista.measure import SHIPPED_HEADS
+    from vllm_amphista.assets import SHIPPED_HEADS
 
     llm = LLM(
         model=args.target,

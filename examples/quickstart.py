@@ -28,8 +28,9 @@ def main() -> None:
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
 
-    from vllm_amphista.measure import SHIPPED_HEADS, make_engine, run_prompts, set_engine_env
-    from vllm_amphista.train.generate import chat_prompt_ids
+    from vllm_amphista.assets import SHIPPED_HEADS
+    from vllm_amphista.bench.engines import make_engine, run_prompts, set_engine_env
+    from vllm_amphista.prompts import chat_prompt_ids
 
     set_engine_env()
     heads = args.heads or SHIPPED_HEADS

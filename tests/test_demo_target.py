@@ -28,7 +28,7 @@ def tokenizer():
 
 
 def chat_requests(tokenizer, questions, max_tokens):
-    from vllm_amphista.train.generate import chat_prompt_ids
+    from vllm_amphista.prompts import chat_prompt_ids
 
     return [{"prompt_token_ids": chat_prompt_ids(tokenizer, q), "max_tokens": max_tokens} for q in questions]
 
@@ -54,18 +54,90 @@ def test_converted_target_answers_sensibly(tokenizer):
 
 
 def test_shipped_heads_exist_and_fit_the_target():
-    from vllm_amphista.heads_dir import check_amphista_heads
-    from vllm_amphista.measure import SHIPPED_HEADS
+    from vllm_amphista.assets import SHIPPED_HEADS
+    from vllm_amphista.vllm.config import check_amphista_heads
     from transformers import AutoConfig
 
     assert check_amphista_heads(SHIPPED_HEADS, AutoConfig.from_pretrained(TARGET), 4) >= 4
     assert os.path.getsize(os.path.join(SHIPPED_HEADS, "model.safetensors")) < 50 * 2**20
 
 
+# In the engine's process: record what the drafter model is fed and what it drafts, step by step.
+RECORD_DRAFTER_BODY = """
+import torch
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+model = runner.drafter.model
+calls = []
+stage_forward, draft = model.forward, model.draft
+
+def recorded_forward(input_ids, positions, hidden_states, inputs_embeds=None):
+    out = stage_forward(input_ids, positions, hidden_states, inputs_embeds)
+    calls.append(("stages", input_ids.clone(), positions.clone(), hidden_states.clone(), out.clone()))
+    return out
+
+def recorded_draft(stage_outputs, num_tokens):
+    token_ids, confidence = draft(stage_outputs, num_tokens)
+    calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
+    return token_ids, confidence
+
+model.forward, model.draft = recorded_forward, recorded_draft
+outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=48))
+torch.save(calls, args["path"])
+report({"output": list(outputs[0].outputs[0].token_ids), "spec": metrics("vllm:spec_decode")})
+"""
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_vllm_drafter_drafts_what_the_reference_drafter_drafts(tokenizer, tmp_path, enforce_eager):
+    """The vLLM-side drafter (stage layers on paged KV, vLLM's linear layers, compiled or not) and the
+    reference `AmphistaDrafter`, both loaded from the shipped heads and fed the same hidden states and
+    tokens, draft the same token ids at every step of a generation (float32)."""
+    import torch
+    from safetensors import safe_open
+
+    from conftest import run_llm
+    from vllm_amphista.assets import SHIPPED_HEADS
+    from vllm_amphista.modeling_amphista import AmphistaDrafter
+
+    prompt = chat_requests(tokenizer, ["List three uses of a paperclip, one line each."], 48)[0]["prompt_token_ids"]
+    # Fixed K: every step drafts all 4 heads' tokens, so each is compared.
+    run = run_llm(TARGET, RECORD_DRAFTER_BODY, {"method": "amphista", "model": SHIPPED_HEADS,
+                                                "num_speculative_tokens": 4, "draft_length": "fixed"},
+                  llm_kwargs={"max_model_len": 512, "enforce_eager": enforce_eager},
+                  args={"prompt": prompt, "path": str(tmp_path / "calls.pt")})
+    assert run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    calls = torch.load(tmp_path / "calls.pt")
+    reference = AmphistaDrafter.from_pretrained(SHIPPED_HEADS, dtype=torch.float32).eval()
+    with safe_open(str(TARGET / "model.safetensors"), framework="pt") as weights:
+        embed = weights.get_tensor("model.embed_tokens.weight").float()
+    seen_ids, seen_hidden = {}, {}  # position -> what the drafter was fed there, as finally accepted
+    compared = 0
+    stage_call = None
+    for call in calls:
+        if call[0] == "stages":
+            stage_call = call
+            continue
+        _, stage_outputs, engine_drafts = call
+        _, input_ids, positions, hidden, outputs = stage_call
+        # The drafted row is the request's last accepted position; rows after it were rejected drafts.
+        (row,) = [i for i in range(outputs.shape[0]) if torch.equal(outputs[i], stage_outputs[0])]
+        for i in range(row + 1):
+            seen_ids[int(positions[i])], seen_hidden[int(positions[i])] = int(input_ids[i]), hidden[i]
+        last = int(positions[row])
+        assert sorted(seen_ids)[: last + 1] == list(range(last + 1))
+        with torch.no_grad():
+            logits = reference(torch.stack([seen_hidden[p] for p in range(last + 1)])[None],
+                               torch.tensor([[seen_ids[p] for p in range(last + 1)]]), embed, None)[0, -1]
+        reference_drafts = reference.draft_to_target[logits.argmax(dim=-1)]
+        assert engine_drafts[0].tolist() == reference_drafts.tolist(), f"drafts differ at position {last}"
+        compared += 1
+    assert compared >= 10
+
+
 @pytest.mark.slow
 def test_amphista_lossless_on_spec_bench(tokenizer):
     """26 Spec-Bench prompts (2 of each of its 13 categories), float32: identical to plain decoding."""
-    from vllm_amphista.measure import SHIPPED_HEADS
+    from vllm_amphista.assets import SHIPPED_HEADS
 
     requests = chat_requests(tokenizer, first_turns(SPEC_BENCH, per_category=2), max_tokens=96)
     assert len(requests) >= 20
@@ -90,7 +162,7 @@ def test_anpd_lossless_on_summarization_and_rag(tokenizer):
 @pytest.mark.slow
 def test_shipped_heads_mean_accepted_length_on_mt_bench(tokenizer):
     """A floor that catches broken wiring (tau over all steps > 1.5), not the goal."""
-    from vllm_amphista.measure import SHIPPED_HEADS
+    from vllm_amphista.assets import SHIPPED_HEADS
 
     requests = chat_requests(tokenizer, first_turns(MT_BENCH, per_category=2), max_tokens=128)
     spec = run_engine(TARGET, requests, {"method": "amphista", "model": SHIPPED_HEADS, "num_speculative_tokens": 4},
@@ -104,7 +176,7 @@ def test_anpd_replay_predicts_the_engines_steps(tokenizer):
     """`tune_anpd` chooses ANPD's N by replaying greedy answers instead of running
     an engine per N: on the engine's own outputs the replay must count exactly
     the target steps the engine took."""
-    from vllm_amphista.heads_dir import ANPD_DEFAULT_MAX_CONTEXT
+    from vllm_amphista.vllm.config import ANPD_DEFAULT_MAX_CONTEXT
     from vllm_amphista.tune_anpd import anpd_steps
 
     requests = chat_requests(tokenizer, first_turns(SPEC_BENCH, per_category=1), max_tokens=128)

@@ -82,11 +82,20 @@ def test_amphista_greedy_equals_plain(tiny_llama_dir, random_heads_dir, plain, r
 
 def test_amphista_fewer_tokens_than_heads(tiny_llama_dir, random_heads_dir, plain, requests):
     spec_run = run_engine(tiny_llama_dir, requests,
-                          {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": 2})
+                          {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": 2,
+                           "draft_length": "fixed"})
     assert_same_outputs(spec_run, plain, requests)
     drafts = spec_run["spec"]["vllm:spec_decode_num_drafts"]
     # Two tokens per draft, fewer only where max_model_len leaves no room.
     assert 2 * drafts - 3 <= spec_run["spec"]["vllm:spec_decode_num_draft_tokens"] <= 2 * drafts
+
+
+def test_hybrid_greedy_equals_plain(tiny_llama_dir, random_heads_dir, plain, requests):
+    spec_run = run_engine(tiny_llama_dir, requests, {"method": "amphista_anpd", "model": str(random_heads_dir),
+                                                     "num_speculative_tokens": 4})
+    assert_same_outputs(spec_run, plain, requests)
+    # Random heads are rarely right: accepted drafts on the repetitive prompts come from the tables.
+    assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_anpd_greedy_equals_plain(tiny_llama_dir, plain, requests):
@@ -102,3 +111,38 @@ def test_plugin_loads_in_the_engine_process(tiny_llama_dir, plain, requests):
                           extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert_same_outputs(spec_run, plain, requests[:4])
     assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def decode_steps(run: dict) -> int:
+    """Request-steps after each request's first token: the steps a fixed-K drafter drafts for."""
+    return sum(steps - 1 for steps, ids in zip(run["target_steps"], run["token_ids"]) if ids)
+
+
+# vLLM's own per-batch-size schedule: as requests finish, the batch shrinks from 17 and each
+# running request goes through K=2, then K=0, then K=4.
+SCHEDULE = [[1, 2, 4], [3, 6, 0], [7, 64, 2]]
+
+
+@pytest.mark.parametrize("method", ["amphista", "anpd", "amphista_anpd"])
+def test_greedy_equals_plain_when_k_changes_mid_request(tiny_llama_dir, random_heads_dir, plain, requests, method):
+    config = {"method": method, "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": SCHEDULE}
+    if method != "anpd":
+        config["model"] = str(random_heads_dir)
+    spec_run = run_engine(tiny_llama_dir, requests, config)
+    assert_same_outputs(spec_run, plain, requests)
+    spec = spec_run["spec"]
+    assert spec["vllm:spec_decode_num_drafts"] > 0
+    if method == "amphista":  # drafts every step it may: the K=0 steps show as steps without a draft
+        assert spec["vllm:spec_decode_num_drafts"] < decode_steps(spec_run) - 20
+
+
+def test_adaptive_amphista_stops_drafting_what_is_rejected(tiny_llama_dir, random_heads_dir, plain, requests):
+    """Random heads are almost never accepted: the load-aware default learns that and verifies
+    far fewer draft tokens than fixed K, and the output stays the target's."""
+    config = {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": 4}
+    adaptive = run_engine(tiny_llama_dir, requests, config)
+    fixed = run_engine(tiny_llama_dir, requests, {**config, "draft_length": "fixed"})
+    assert_same_outputs(adaptive, plain, requests)
+    assert_same_outputs(fixed, plain, requests)
+    adaptive_tokens = adaptive["spec"]["vllm:spec_decode_num_draft_tokens"]
+    assert adaptive_tokens < 0.5 * fixed["spec"]["vllm:spec_decode_num_draft_tokens"]

@@ -443,3 +443,16 @@ def test_triton_does_not_change_vllm_cpu_engine_kernels():
     assert with_triton["platform"] == "CpuPlatform"
     assert set(with_triton["attention_backends"].values()) == {
         "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"}
+
+
+@pytest.mark.parametrize("with_num_valid", [False, True])
+def test_custom_op_is_sound_for_compiled_graphs(with_num_valid):
+    """torch.library.opcheck: the op's fake tensor (what compiled graphs plan with) matches what it
+    returns, strides included, and it survives torch.compile."""
+    q, k, v = (torch.randn(3, 4, 9, 64).transpose(1, 2).contiguous().transpose(1, 2) for _ in range(3))
+    num_valid = torch.tensor([4, 2, 0]) if with_num_valid else None
+    torch.library.opcheck(head_attention._head_attention_op, (q, k, v, num_valid, 0.125))
+    compiled = torch.compile(lambda a, b, c: bidirectional_head_attention(a, b, c, num_valid, 0.125) * 2,
+                             fullgraph=True)
+    assert torch.allclose(compiled(q, k, v), bidirectional_head_attention_reference(q, k, v, num_valid, 0.125) * 2,
+                          atol=1e-5)

@@ -7,13 +7,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from vllm_amphista.modeling_amphista import (
-    WEIGHTS_NAME,
-    AmphistaConfig,
-    AmphistaDrafter,
-    AutoEmbeddingBlock,
-    draft_logits,
-)
+from vllm_amphista.checkpoint import WEIGHTS_NAME
+from vllm_amphista.configuration_amphista import AmphistaConfig
+from vllm_amphista.modeling_amphista import AmphistaDrafter, AutoEmbeddingBlock, draft_logits
+from vllm_amphista.train.batch import causal_attention_mask
 
 HIDDEN, VOCAB, HEADS = 128, 320, 4
 
@@ -108,16 +105,21 @@ def test_stages_are_causal():
     assert not torch.allclose(drafter(earlier_hidden, next_ids, embed, lm_head)[:, t + 1:], base[:, t + 1:])
 
 
-def test_left_padding_with_mask_and_positions_matches_unpadded():
+def test_packed_samples_match_separate_runs():
+    """Two samples packed in one row (own positions, attention within each) give what each gives alone."""
     drafter = randomized(AmphistaDrafter(make_config()))
-    hidden, next_ids, embed, lm_head = make_inputs(batch=1)
-    pad = 3
-    padded_hidden = torch.cat([torch.randn(1, pad, HIDDEN), hidden], dim=1)
-    padded_ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), next_ids], dim=1)
-    mask = torch.cat([torch.zeros(1, pad), torch.ones(1, 7)], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0).long()
-    padded = drafter(padded_hidden, padded_ids, embed, lm_head, position_ids=positions, attention_mask=mask)
-    assert torch.allclose(padded[:, pad:], drafter(hidden, next_ids, embed, lm_head), atol=1e-5)
+    hidden, next_ids, embed, lm_head = make_inputs(batch=2)
+    first, second = 4, 7
+    packed_hidden = torch.cat([hidden[:1, :first], hidden[1:, :second]], dim=1)
+    packed_ids = torch.cat([next_ids[:1, :first], next_ids[1:, :second]], dim=1)
+    segments = torch.tensor([[1] * first + [2] * second])
+    positions = torch.cat([torch.arange(first), torch.arange(second)])[None]
+    packed = drafter(packed_hidden, packed_ids, embed, lm_head, position_ids=positions,
+                     attention_mask=causal_attention_mask(segments))
+    assert torch.allclose(packed[:, :first], drafter(hidden[:1, :first], next_ids[:1, :first], embed, lm_head),
+                          atol=1e-5)
+    assert torch.allclose(packed[:, first:], drafter(hidden[1:, :second], next_ids[1:, :second], embed, lm_head),
+                          atol=1e-5)
 
 
 def test_kernel_path_matches_training_path():
@@ -138,7 +140,7 @@ def parameter_names(config: AmphistaConfig) -> set[str]:
 
 def test_checkpoint_names():
     names = parameter_names(make_config())
-    assert {"fuse.weight", "head_proj.weight", "position_embedding", "final_norm.weight",
+    assert {"fuse.weight", "near_proj.weight", "far_proj.weight", "position_embedding", "final_norm.weight",
             "encoder.layers.0.attn.qkv_proj.weight", "encoder.layers.0.attn.o_proj.weight",
             "encoder.layers.0.norm1.weight", "encoder.layers.0.norm2.weight",
             "encoder.layers.0.mlp.up_proj.weight", "encoder.layers.0.mlp.down_proj.weight"} <= names
@@ -193,7 +195,7 @@ def test_own_lm_head_and_draft_vocabulary():
     assert drafter.checkpoint_state_dict()["draft_to_target"].dtype == torch.int64
     logits = drafter(hidden, next_ids, embed, None)
     assert logits.shape == (2, 7, HEADS, len(draft_ids))
-    assert set(drafter.to_target_ids(logits.argmax(-1)).unique().tolist()) <= set(draft_ids.tolist())
+    assert set(drafter.draft_to_target[logits.argmax(-1)].unique().tolist()) <= set(draft_ids.tolist())
     with pytest.raises(ValueError, match="distinct"):
         drafter.init_from_target(lm_head, torch.tensor([1, 1, 2, 3, 4, 5, 6, 7]))
     with pytest.raises(ValueError, match="expects"):
@@ -233,9 +235,9 @@ def test_truncated_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
 
     weights.write_bytes(data)
     tensors = load_file(weights)
-    del tensors["head_proj.weight"]
+    del tensors["near_proj.weight"]
     save_file(tensors, weights)
-    with pytest.raises(ValueError, match="missing.*head_proj.weight"):
+    with pytest.raises(ValueError, match="missing.*near_proj.weight"):
         AmphistaDrafter.from_pretrained(tmp_path)
 
     weights.unlink()

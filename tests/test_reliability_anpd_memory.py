@@ -1,4 +1,5 @@
-"""ANPD's per-request N-gram tables do not pile up: 1000 short requests through one engine.
+"""ANPD's per-request N-gram tables (alone, and in the amphista_anpd hybrid) do not pile up:
+1000 short requests through one engine.
 
 The engine is in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so test code
 reaches the drafter through vLLM's own `LLM.collective_rpc`, which runs a
@@ -12,7 +13,7 @@ import random
 
 import pytest
 
-from vllm_amphista.heads_dir import ANPD_DEFAULT_MAX_CONTEXT
+from vllm_amphista.vllm.config import ANPD_DEFAULT_MAX_CONTEXT
 
 from conftest import TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, run_llm
 
@@ -79,9 +80,12 @@ def requests():
     return short_requests()
 
 
-@pytest.fixture(scope="module")
-def run(tiny_llama_dir, requests):
-    return run_llm(tiny_llama_dir, STEP_BY_STEP_BODY, {"method": "anpd", "num_speculative_tokens": 4},
+@pytest.fixture(scope="module", params=["anpd", "amphista_anpd"])
+def run(request, tiny_llama_dir, random_heads_dir, requests):
+    config = {"method": request.param, "num_speculative_tokens": 4}
+    if request.param == "amphista_anpd":
+        config["model"] = str(random_heads_dir)
+    return run_llm(tiny_llama_dir, STEP_BY_STEP_BODY, config,
                    llm_kwargs={"max_num_seqs": MAX_NUM_SEQS},
                    args={"requests": requests, "max_steps": MAX_STEPS, "max_num_seqs": MAX_NUM_SEQS}, timeout=900)
 

@@ -20,7 +20,8 @@ from conftest import VLLM_CPU_TEST_ENV
 def heads_dir(tiny_llama_dir, tmp_path_factory):
     from transformers import AutoConfig
 
-    from vllm_amphista.modeling_amphista import AmphistaConfig, AmphistaDrafter
+    from vllm_amphista.configuration_amphista import AmphistaConfig
+    from vllm_amphista.modeling_amphista import AmphistaDrafter
 
     config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama_dir), num_draft_heads=4)
     torch.manual_seed(0)
@@ -70,7 +71,7 @@ def test_speculative_config_json_with_method(tiny_llama_dir, heads_dir):
 
 
 def test_anpd_config(tiny_llama_dir):
-    from vllm_amphista.heads_dir import ANPD_DEFAULT_MAX_CONTEXT
+    from vllm_amphista.vllm.config import ANPD_DEFAULT_MAX_CONTEXT
 
     config = json.dumps({"method": "anpd", "num_speculative_tokens": 5, "prompt_lookup_max": 6})
     spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
@@ -119,6 +120,16 @@ def test_heads_for_another_target(tiny_llama_dir, heads_dir, tmp_path):
     assert "vocab_size=321 does not match the target model's vocab_size=320" in message
 
 
+def test_heads_for_another_kind_of_target(tiny_llama_dir, heads_dir, tmp_path):
+    other = tmp_path / "mistral-heads"
+    shutil.copytree(heads_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["target_model_type"] = "mistral"
+    (other / "config.json").write_text(json.dumps(config))
+    message = error_of([str(tiny_llama_dir), "--speculative-model", str(other)])
+    assert "trained for a 'mistral' target, but the target model is a 'llama'" in message
+
+
 def test_truncated_weights(tiny_llama_dir, heads_dir, tmp_path):
     broken = tmp_path / "truncated-heads"
     shutil.copytree(heads_dir, broken)
@@ -136,10 +147,14 @@ def test_unreadable_config(tiny_llama_dir, heads_dir, tmp_path):
     assert f"cannot read {broken / 'config.json'}" in message
 
 
-def test_console_script_runs_vllm_cli_on_vllm_cpu():
-    """vllm-cpu's own `vllm` CLI dies reading its version; ours must not."""
+# `make setup` makes the venv's `vllm` the plugin's console script (vllm-cpu's own dies reading its version).
+CLI_SCRIPTS = ["vllm", "vllm-amphista"]
+
+
+@pytest.mark.parametrize("script", CLI_SCRIPTS)
+def test_cli_reports_its_version_on_vllm_cpu(script):
     completed = subprocess.run(
-        [str(Path(sys.executable).parent / "vllm-amphista"), "--version"],
+        [str(Path(sys.executable).parent / script), "--version"],
         capture_output=True, text=True, timeout=120, env={**VLLM_CPU_TEST_ENV, "PATH": "/usr/bin:/bin"},
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
@@ -148,10 +163,83 @@ def test_console_script_runs_vllm_cli_on_vllm_cpu():
     assert completed.stdout.strip().splitlines()[-1] == f"{vllm.__version__}+cpu"
 
 
-def test_console_script_serve_help_lists_our_flags():
+@pytest.mark.parametrize("script", CLI_SCRIPTS)
+def test_cli_serve_help_lists_our_flags(script):
     completed = subprocess.run(
-        [sys.executable, "-m", "vllm_amphista.cli", "serve", "--help=amphista"],
+        [str(Path(sys.executable).parent / script), "serve", "--help=all"],
         capture_output=True, text=True, timeout=120, env={**VLLM_CPU_TEST_ENV, "PATH": "/usr/bin:/bin"},
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "--speculative-model" in completed.stdout and "--num-speculative-tokens" in completed.stdout
+
+
+def test_cli_version_fix_stays_in_the_cli_process():
+    """Other programs in the venv still see the installed distributions as they are."""
+    import importlib.metadata
+
+    importlib.metadata.version("vllm-cpu")  # this check is about the CPU build
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
+
+
+def test_draft_length_is_adaptive_by_default(tiny_llama_dir, heads_dir):
+    spec = engine_config([str(tiny_llama_dir), "--speculative-model", str(heads_dir)]).speculative_config
+    assert spec.draft_length == "adaptive"
+    # Marked as vLLM's dynamic speculative decoding, so vLLM passes a per-step K to the drafter.
+    assert spec.uses_dynamic_speculative_decoding()
+
+
+def test_fixed_draft_length(tiny_llama_dir):
+    config = json.dumps({"method": "anpd", "num_speculative_tokens": 3, "draft_length": "fixed"})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert (spec.draft_length, spec.num_speculative_tokens) == ("fixed", 3)
+    assert not spec.uses_dynamic_speculative_decoding()
+
+
+def test_users_own_schedule_is_respected(tiny_llama_dir):
+    schedule = [[1, 4, 3], [5, 64, 1]]
+    config = json.dumps({"method": "anpd", "num_speculative_tokens": 3,
+                         "num_speculative_tokens_per_batch_size": schedule})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert spec.draft_length == "schedule"
+    assert [list(entry) for entry in spec.num_speculative_tokens_per_batch_size] == schedule
+
+
+def test_bad_draft_length(tiny_llama_dir):
+    message = error_of([str(tiny_llama_dir), "--speculative-config",
+                        '{"method": "anpd", "num_speculative_tokens": 2, "draft_length": "sometimes"}'])
+    assert "draft_length" in message and "sometimes" in message and "adaptive" in message
+
+
+def test_draft_length_is_ours_only(tiny_llama_dir):
+    message = error_of([str(tiny_llama_dir), "--speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, '
+                        '"draft_length": "adaptive"}'])
+    assert "draft_length" in message and "ngram" in message
+
+
+def test_draft_length_and_a_schedule_conflict(tiny_llama_dir):
+    message = error_of([str(tiny_llama_dir), "--speculative-config",
+                        '{"method": "anpd", "num_speculative_tokens": 2, "draft_length": "fixed", '
+                        '"num_speculative_tokens_per_batch_size": [[1, 8, 2]]}'])
+    assert "draft_length" in message and "num_speculative_tokens_per_batch_size" in message
+
+
+def test_hybrid_config(tiny_llama_dir, heads_dir):
+    config = json.dumps({"method": "amphista_anpd", "model": str(heads_dir), "num_speculative_tokens": 3})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.draft_length) == ("amphista_anpd", 3, "adaptive")
+    assert spec.use_eagle()  # the heads draft from the target's hidden states, with their own paged KV
+    assert spec.prompt_lookup_max >= 1  # the tables' longest context
+
+
+def test_hybrid_needs_heads(tiny_llama_dir):
+    message = error_of([str(tiny_llama_dir), "--speculative-config",
+                        '{"method": "amphista_anpd", "num_speculative_tokens": 2}'])
+    assert "amphista_anpd" in message and "heads dir" in message
+
+
+def test_hybrid_bad_ngram_options(tiny_llama_dir, heads_dir):
+    config = json.dumps({"method": "amphista_anpd", "model": str(heads_dir), "prompt_lookup_min": 3})
+    message = error_of([str(tiny_llama_dir), "--speculative-config", config])
+    assert "prompt_lookup_min" in message and "amphista_anpd" in message

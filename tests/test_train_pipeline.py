@@ -1,5 +1,6 @@
-"""The self-distillation pipeline on a random tiny Llama: data, fit, eval,
-bad inputs, and the Medusa / EAGLE exports loading in vLLM."""
+"""The self-distillation pipeline on a random tiny Llama: the prompt mix, generation with captured
+hidden states and top-k, packing and labels, fit (both objectives), eval, bad inputs, and the
+Medusa / EAGLE exports loading in vLLM."""
 
 import json
 import os
@@ -10,93 +11,185 @@ import pytest
 import torch
 from conftest import (
     REPO_ROOT,
+    TINY_WORDS,
     VLLM_CPU_TEST_ENV,
     build_tiny_llama,
     build_tiny_tokenizer,
     run_engine,
-    tiny_samples,
     write_jsonl,
 )
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from vllm_amphista.modeling_amphista import AmphistaDrafter
+from vllm_amphista.prompts import DataError, load_prompts
+from vllm_amphista.train import prompt_mix
+from vllm_amphista.train.batch import IGNORE_INDEX, build_batch, pack_rows
 from vllm_amphista.train.cli import main
-from vllm_amphista.train.data import DataError, Sample, load_prompts, most_frequent_tokens, read_samples
+from vllm_amphista.train.data import (
+    Dataset,
+    Sample,
+    SampleTensors,
+    most_frequent_tokens,
+    read_token_file,
+    write_shard,
+    write_token_file,
+)
+from vllm_amphista.train.eagle import EagleMethod
 from vllm_amphista.train.fit import FitOptions, fit, split_indices
-from vllm_amphista.train.heads import IGNORE_INDEX, Batch, EagleMethod
 from vllm_amphista.train.target import load_target
 
 ENGINE_PROMPTS = ["<|user|> what is the answer to w3 ? </s> <|assistant|>", "w1 w2 w3"]
 ENGINE_TOKENS = 12
+NUM_PROMPTS = 24
+MAX_TOKENS = 24
+
+
+def run_train_cli(args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m vllm_amphista.train ...` in a subprocess (its engine must not share this process)."""
+    return subprocess.run([sys.executable, "-m", "vllm_amphista.train", *args], cwd=REPO_ROOT,
+                          env={**os.environ, **VLLM_CPU_TEST_ENV}, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def samples_path(tiny_llama_dir, tmp_path_factory):
-    samples = tiny_samples(tiny_llama_dir, 24, output_len=24)
-    return write_jsonl(tmp_path_factory.mktemp("data") / "samples.jsonl", samples)
+def prompts_path(tmp_path_factory):
+    words = TINY_WORDS[7:]
+    records = [{"id": f"p{i}", "category": "words" if i % 2 else "questions",
+                "messages": [{"role": "user", "content": " ".join(words[(i * 5 + j) % len(words)]
+                                                                  for j in range(3 + i % 7))}]}
+               for i in range(NUM_PROMPTS)]
+    return write_jsonl(tmp_path_factory.mktemp("mix") / "mix.jsonl", records)
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("hidden_cache")
+def dataset_dir(tiny_llama_dir, prompts_path, tmp_path_factory):
+    """The tiny target's answers to the prompts, made by the `generate` command (shards of 10)."""
+    out = tmp_path_factory.mktemp("data") / "dataset"
+    completed = run_train_cli(["generate", "--target", str(tiny_llama_dir), "--prompts", str(prompts_path),
+                               "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--dtype", "float32",
+                               "--max-model-len", "256", "--enforce-eager", "--concurrency", "8",
+                               "--shard-size", "10"])
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return out
 
 
-def options(tiny_llama_dir, samples_path, cache_dir, out, **overrides) -> FitOptions:
-    fields = dict(target=str(tiny_llama_dir), data=str(samples_path), out=str(out), cache_dir=str(cache_dir),
-                  target_dtype="float32", batch_tokens=256, eval_fraction=0.1, eval_every=1000, lr=3e-3, threads=1)
+def options(tiny_llama_dir, dataset_dir, out, **overrides) -> FitOptions:
+    fields = dict(target=str(tiny_llama_dir), data=[str(dataset_dir)], out=str(out), batch_tokens=256,
+                  row_tokens=128, eval_fraction=0.1, eval_every=1000, lr=3e-3, threads=1)
     fields.update(overrides)
     return FitOptions(**fields)
 
 
 @pytest.fixture(scope="module")
-def trained_heads(tiny_llama_dir, samples_path, cache_dir, tmp_path_factory):
+def trained_heads(tiny_llama_dir, dataset_dir, tmp_path_factory):
     """One quickly trained drafter per method, made through the CLI."""
     root = tmp_path_factory.mktemp("heads")
     for method in ("amphista", "medusa", "eagle"):
-        main(["fit", "--method", method, "--target", str(tiny_llama_dir), "--data", str(samples_path),
-              "--out", str(root / method), "--cache-dir", str(cache_dir), "--target-dtype", "float32",
-              "--max-steps", "3", "--batch-tokens", "256", "--num-heads", "3", "--draft-vocab-size", "200",
-              "--threads", "1"])
+        main(["fit", "--method", method, "--target", str(tiny_llama_dir), "--data", str(dataset_dir),
+              "--out", str(root / method), "--max-steps", "3", "--batch-tokens", "256", "--row-tokens", "128",
+              "--num-heads", "3", "--draft-vocab-size", "200", "--threads", "1"])
     return {method: root / method for method in ("amphista", "medusa", "eagle")}
 
 
-def test_drafters_get_the_final_norm_output(tiny_llama_dir):
-    """vLLM hands drafters the hidden state its lm_head reads (after the final norm)."""
-    target = load_target(str(tiny_llama_dir), "float32")
-    ids = torch.tensor([[5, 9, 30, 2, 77]])
-    hidden = target.final_hidden_states(ids)
-    assert torch.allclose(hidden @ target.lm_head_weight.T, target.model(ids).logits, atol=1e-5)
+def test_generate_writes_the_targets_answers_hidden_states_and_top_k(tiny_llama_dir, dataset_dir):
+    """What `generate` captures is what the target computes: its greedy answer, its final-norm hidden
+    state at every position (what vLLM hands drafters and the lm_head reads), its top-k."""
+    dataset = Dataset([dataset_dir])
+    assert len(dataset) == NUM_PROMPTS and sorted(path.name for path in dataset_dir.iterdir()) == [
+        f"shard_0000{i}.{suffix}" for i in range(3) for suffix in ("jsonl", "safetensors")]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for index in (0, 13):
+        sample, tensors = dataset.samples[index], dataset.tensors(index)
+        ids = torch.tensor([sample.token_ids])
+        with torch.inference_mode():
+            expected_output = model.generate(torch.tensor([sample.prompt_ids]), max_new_tokens=len(sample.output_ids),
+                                             do_sample=False, pad_token_id=0)[0, len(sample.prompt_ids):]
+            hidden = model.model(ids).last_hidden_state[0]
+            logprobs = torch.log_softmax(model(ids).logits[0], dim=-1)
+        assert sample.output_ids == expected_output.tolist()
+        assert tensors.hidden.shape == (len(sample.token_ids) - 1, 128)
+        assert torch.allclose(tensors.hidden.float(), hidden[:-1], atol=0.02)  # stored in bf16
+        top = logprobs[len(sample.prompt_ids) - 1:-1].topk(8)
+        assert torch.equal(tensors.topk_ids.long(), top.indices)
+        assert torch.allclose(tensors.topk_logprobs.float(), top.values, atol=0.01)
 
 
-def test_labels_cover_the_target_outputs_only():
-    sample = Sample(prompt_ids=[10, 11, 12], output_ids=[20, 21, 22, 23])
-    hidden = [torch.zeros(7, 4)]
-    batch = Batch.from_samples([sample], hidden)
-    # h_2 (last prompt position) produced x_3 = 20, the first output token.
-    assert batch.loss_mask[0].tolist() == [False, False, True, True, True, True, False]
-    assert batch.next_token_ids[0].tolist() == [11, 12, 20, 21, 22, 23, 0]
-    labels = batch.target_labels(2)[0]
-    assert labels[:, 0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 21, 22, 23, IGNORE_INDEX, IGNORE_INDEX]
-    assert labels[:, 1].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 22, 23, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
-    with_prompt = Batch.from_samples([sample], hidden, train_on_prompt=True).target_labels(1)[0, :, 0]
-    assert with_prompt.tolist() == [12, 20, 21, 22, 23, IGNORE_INDEX, IGNORE_INDEX]
+def test_generate_resumes_and_recomputes_from_tokens(tiny_llama_dir, dataset_dir, prompts_path, tmp_path):
+    dataset = Dataset([dataset_dir])
+    # A rerun finds every shard complete and does nothing.
+    completed = run_train_cli(["generate", "--target", str(tiny_llama_dir), "--prompts", str(prompts_path),
+                               "--out", str(dataset_dir), "--max-tokens", str(MAX_TOKENS), "--shard-size", "10"])
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"samples": 0, "skipped_shards": 3}
+    # The token ids alone bring back the same tensors.
+    assert run_train_cli(["export-tokens", "--data", str(dataset_dir), "--out", str(tmp_path / "tokens.jsonl.gz")]
+                         ).returncode == 0
+    completed = run_train_cli(["generate", "--target", str(tiny_llama_dir), "--tokens", str(tmp_path / "tokens.jsonl.gz"),
+                               "--out", str(tmp_path / "recomputed"), "--dtype", "float32", "--enforce-eager",
+                               "--max-model-len", "256", "--concurrency", "8"])
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    recomputed = Dataset([tmp_path / "recomputed"])
+    assert recomputed.samples == dataset.samples
+    for index in range(0, NUM_PROMPTS, 7):
+        mine, theirs = recomputed.tensors(index), dataset.tensors(index)
+        assert torch.allclose(mine.hidden.float(), theirs.hidden.float(), atol=0.02)
+        assert torch.equal(mine.topk_ids, theirs.topk_ids)
 
 
-def test_eagle_chain_matches_step_by_step_drafting(tiny_llama_dir):
-    """The batched chained-EAGLE eval equals drafting one position at a time
-    the way vLLM does: teacher-forced prefix, then each draft appended."""
-    target = load_target(str(tiny_llama_dir), "float32")
+def test_prompt_mix_covers_every_category_without_benchmark_questions(tmp_path):
+    alpaca = [{"instruction": f"Describe topic {i}.", "input": "" if i % 3 else f"context {i}",
+               "output": f"Topic {i} is about " + "many things, " * (20 + i % 30) + "and more."}
+              for i in range(60)]
+    gsm8k = [{"question": f"Tom has {i} apples and buys {i + 2} more. How many now?",
+              "answer": f"He has {i}+{i + 2}=<<{i}+{i + 2}={2 * i + 2}>>{2 * i + 2} apples.\n#### {2 * i + 2}"}
+             for i in range(40)]
+    counts = {category: 5 for category in prompt_mix.DEFAULT_COUNTS}
+    records = prompt_mix.first_turn_mix(alpaca, gsm8k, counts, seed=1)
+    assert records == prompt_mix.first_turn_mix(alpaca, gsm8k, counts, seed=1)  # deterministic
+    assert sorted({r["category"] for r in records}) == sorted(counts) and len(records) == 5 * len(counts)
+    assert not any("<<" in r["messages"][0]["content"] for r in records)  # calculator marks removed
+    first_turns = [{**r, "answer": f"answer {i}"} for i, r in enumerate(records)]
+    second = prompt_mix.second_turn_mix(first_turns, 10, seed=0)
+    assert len(second) == 10
+    assert all([turn["role"] for turn in r["messages"]] == ["user", "assistant", "user"] for r in second)
+    assert all(r["messages"][2]["content"] in prompt_mix.FOLLOW_UPS for r in second)
+
+
+def test_packing_keeps_samples_apart_and_labels_only_the_targets_outputs(tmp_path):
+    samples = [Sample([10, 11, 12], [20, 21, 22, 23], "a"), Sample([30, 31], [40, 41, 42], "b")]
+    tensors = [SampleTensors(torch.arange(6.0)[:, None].repeat(1, 4), torch.full((4, 2), 7), torch.zeros(4, 2)),
+               SampleTensors(torch.arange(4.0)[:, None].repeat(1, 4) + 100, torch.full((3, 2), 8), torch.zeros(3, 2))]
+    write_shard(tmp_path, 0, samples, tensors, torch.float32)
+    dataset = Dataset([tmp_path])
+    assert pack_rows([7, 5], 16) == [[0, 1]]
+    batch = build_batch(dataset, [[0, 1]], num_heads=2, row_tokens=16)
+    assert batch.segment_ids[0].tolist() == [1] * 7 + [2] * 5
+    assert batch.position_ids[0].tolist() == list(range(7)) + list(range(5))
+    assert batch.next_token_ids[0].tolist() == [11, 12, 20, 21, 22, 23, 0, 31, 40, 41, 42, 0]
+    # h_2 (last prompt position) produced x_3 = 20; head 0 there drafts x_4 = 21, head 1 x_5 = 22.
+    ignore = IGNORE_INDEX
+    assert batch.labels[0, :, 0].tolist() == [ignore, ignore, 21, 22, 23, ignore, ignore, ignore, 41, 42, ignore, ignore]
+    assert batch.labels[0, :, 1].tolist() == [ignore, ignore, 22, 23] + [ignore] * 4 + [42] + [ignore] * 3
+    assert batch.label_topk_ids[0, 2, 0].tolist() == [7, 7] and batch.label_topk_ids[0, 8, 0].tolist() == [8, 8]
+    next_hidden, has_next = batch.next_hidden
+    assert has_next[0].tolist() == [True] * 5 + [False] * 2 + [True] * 3 + [False] * 2
+    assert next_hidden[0, 7, 0] == 101  # the second sample's own h_1
+
+
+def test_eagle_chain_matches_step_by_step_drafting(tiny_llama_dir, dataset_dir):
+    """The batched chained-EAGLE eval equals drafting one position at a time the way vLLM does:
+    teacher-forced prefix, then each draft appended."""
+    target = load_target(str(tiny_llama_dir))
     eagle = EagleMethod.create(target, None, num_steps=3).eval()
     with torch.no_grad():
         for parameter in eagle.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
-    sample = Sample(prompt_ids=[10, 11, 12], output_ids=[20, 21, 22, 23, 24])
-    ids = torch.tensor([sample.token_ids])
-    batch = Batch.from_samples([sample], [target.final_hidden_states(ids)[0]])
+    dataset = Dataset([dataset_dir])
+    batch = build_batch(dataset, [[0, 1]], num_heads=3, row_tokens=128)
+    rows = (batch.labels != IGNORE_INDEX).any(dim=-1)
+    t = int(rows[0].nonzero()[0]) + 1
     with torch.no_grad():
-        batched = eagle.head_logits(batch, target)
-        t = 4
+        batched = eagle.head_logits(batch, target, rows)
         prefix = eagle._step_inputs(batch.next_token_ids[:, : t + 1], batch.hidden[:, : t + 1], target)
         inputs, steps = prefix, []
         for _ in range(3):
@@ -105,12 +198,13 @@ def test_eagle_chain_matches_step_by_step_drafting(tiny_llama_dir):
             logits = feature @ target.lm_head_weight.T
             steps.append(logits[0, 0])
             inputs = torch.cat([inputs, eagle._step_inputs(logits.argmax(-1), feature, target)], dim=1)
-    assert torch.allclose(batched[0, t], torch.stack(steps), atol=1e-4)
+    assert torch.allclose(batched[int(rows[0, :t].sum())], torch.stack(steps), atol=1e-4)
 
 
-def test_fit_lowers_the_loss(tiny_llama_dir, samples_path, cache_dir, tmp_path):
+@pytest.mark.parametrize("objective", ["hard", "distill"])
+def test_fit_lowers_the_loss(tiny_llama_dir, dataset_dir, tmp_path, objective):
     epochs = 4
-    result = fit(options(tiny_llama_dir, samples_path, cache_dir, tmp_path, epochs=epochs))
+    result = fit(options(tiny_llama_dir, dataset_dir, tmp_path, epochs=epochs, objective=objective))
     per_epoch = result.steps // epochs
     first, last = result.train_losses[:per_epoch], result.train_losses[-per_epoch:]
     assert sum(last) / per_epoch < 0.8 * sum(first) / per_epoch
@@ -118,13 +212,14 @@ def test_fit_lowers_the_loss(tiny_llama_dir, samples_path, cache_dir, tmp_path):
     assert drafter.config.num_draft_heads == 4
     metrics = json.loads((tmp_path / "training" / "metrics.json").read_text())
     assert metrics["steps"] == result.steps and len(metrics["evals"][-1]["top1"]) == 4
+    assert metrics["trained_tokens"] > 0 and metrics["train_tokens_per_second"] > 0
 
 
-def test_max_minutes_then_resume_continues_the_same_run(tiny_llama_dir, samples_path, cache_dir, tmp_path):
-    straight = fit(options(tiny_llama_dir, samples_path, cache_dir, tmp_path / "straight", max_steps=5))
-    stopped = fit(options(tiny_llama_dir, samples_path, cache_dir, tmp_path / "resumed", max_steps=5, max_minutes=0))
+def test_max_minutes_then_resume_continues_the_same_run(tiny_llama_dir, dataset_dir, tmp_path):
+    straight = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "straight", max_steps=5))
+    stopped = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "resumed", max_steps=5, max_minutes=0))
     assert stopped.stopped_early and stopped.steps == 1
-    resumed = fit(options(tiny_llama_dir, samples_path, cache_dir, tmp_path / "resumed", max_steps=5, resume=True))
+    resumed = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "resumed", max_steps=5, resume=True))
     assert resumed.steps == 5 and len(resumed.train_losses) == 5
     assert resumed.train_losses == pytest.approx(straight.train_losses, rel=1e-4)
     straight_weights = load_file(tmp_path / "straight" / "model.safetensors")
@@ -132,28 +227,28 @@ def test_max_minutes_then_resume_continues_the_same_run(tiny_llama_dir, samples_
         assert torch.allclose(tensor.float(), straight_weights[name].float(), atol=1e-2), name
 
 
-def test_draft_vocabulary_is_the_most_frequent_outputs(tiny_llama_dir, samples_path, cache_dir, tmp_path):
-    fit(options(tiny_llama_dir, samples_path, cache_dir, tmp_path, max_steps=2, draft_vocab_size=32))
-    samples = read_samples(samples_path)
-    train_indices, _ = split_indices(len(samples), 0.1, seed=0)
+def test_draft_vocabulary_is_the_most_frequent_outputs(tiny_llama_dir, dataset_dir, tmp_path):
+    fit(options(tiny_llama_dir, dataset_dir, tmp_path, max_steps=2, draft_vocab_size=32))
+    samples = Dataset([dataset_dir]).samples
+    train_indices, _ = split_indices(len(samples), 0.1, seed=0, max_eval=400)
     expected = most_frequent_tokens([samples[i] for i in train_indices], 32, vocab_size=320)
     saved = load_file(tmp_path / "model.safetensors")
     assert torch.equal(saved["draft_to_target"], expected)
     assert saved["lm_head.weight"].shape == (32, 128)
 
 
-def test_ablation_flags(tiny_llama_dir, samples_path, cache_dir, tmp_path):
-    fit(options(tiny_llama_dir, samples_path, cache_dir, tmp_path, max_steps=1,
+def test_ablation_flags(tiny_llama_dir, dataset_dir, tmp_path):
+    fit(options(tiny_llama_dir, dataset_dir, tmp_path, max_steps=1,
                 no_encoder=True, no_stages=True, no_sampled_token=True))
     config = AmphistaDrafter.from_pretrained(tmp_path).config
     assert not (config.use_encoder or config.use_stages or config.use_sampled_token)
     with pytest.raises(ValueError, match="--method amphista only"):
-        fit(options(tiny_llama_dir, samples_path, cache_dir, tmp_path, method="medusa", no_encoder=True))
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path, method="medusa", no_encoder=True))
 
 
-def test_eval_prints_a_table_for_every_method(tiny_llama_dir, samples_path, cache_dir, trained_heads, capsys):
-    main(["eval", "--target", str(tiny_llama_dir), "--samples", str(samples_path), "--cache-dir", str(cache_dir),
-          "--target-dtype", "float32", "--eagle-steps", "3", "--heads", *map(str, trained_heads.values())])
+def test_eval_prints_a_table_for_every_method(tiny_llama_dir, dataset_dir, trained_heads, capsys):
+    main(["eval", "--target", str(tiny_llama_dir), "--data", str(dataset_dir), "--eagle-steps", "3",
+          "--row-tokens", "128", "--heads", *map(str, trained_heads.values())])
     table = capsys.readouterr().out.strip().splitlines()
     assert table[0].startswith("| heads | head 1 top-1 | head 2 top-1 | head 3 top-1 | mean accepted")
     assert len(table) == 2 + len(trained_heads)
@@ -194,38 +289,21 @@ def test_baselines_load_and_generate_in_vllm(tiny_llama_dir, trained_heads, meth
                                    for request in requests]
 
 
-def test_generate_cli_writes_samples(tiny_llama_dir, tmp_path):
-    prompts = tmp_path / "alpaca.json"
-    prompts.write_text(json.dumps([
-        {"instruction": "what is the answer", "input": "w5 w6", "output": "w1"},
-        {"instruction": "what is w7 ?", "input": "", "output": "w2"},
-    ]))
-    out = tmp_path / "samples.jsonl"
-    completed = subprocess.run(
-        [sys.executable, "-m", "vllm_amphista.train", "generate", "--target", str(tiny_llama_dir),
-         "--prompts", str(prompts), "--out", str(out), "--max-tokens", "8", "--dtype", "float32",
-         "--max-model-len", "256", "--enforce-eager"],
-        cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV}, capture_output=True, text=True, timeout=300,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    samples = read_samples(out)
-    tokenizer = build_tiny_tokenizer()
-    expected_prompt = tokenizer("<|user|> what is the answer\n\nw5 w6 </s> <|assistant|>")["input_ids"]
-    assert samples[0].prompt_ids == expected_prompt
-    assert len(samples) == 2 and all(1 <= len(sample.output_ids) <= 8 for sample in samples)
-
-
-def test_bad_inputs_give_clear_errors(tiny_llama_dir, samples_path, cache_dir, trained_heads, tmp_path, capsys):
+def test_bad_inputs_give_clear_errors(tiny_llama_dir, dataset_dir, trained_heads, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(DataError, match="empty"):
-        read_samples(empty)
+        read_token_file(empty)
     with pytest.raises(DataError, match="empty"):
         load_prompts(empty)
+    with pytest.raises(DataError, match="no complete shard"):
+        Dataset([tmp_path])
 
     wrong_samples = write_jsonl(tmp_path / "wrong.jsonl", [{"prompt_ids": [1, 2], "text": "w1"}])
     with pytest.raises(DataError, match="'output_ids'"):
-        read_samples(wrong_samples)
+        read_token_file(wrong_samples)
+    write_token_file(tmp_path / "ok.jsonl.gz", [Sample([1, 2], [3])])
+    assert read_token_file(tmp_path / "ok.jsonl.gz") == [Sample([1, 2], [3])]
 
     wrong_prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"question": "w1"}, {"answer": "w2"}])
     with pytest.raises(DataError, match="record 1 has no field 'question'"):
@@ -235,13 +313,12 @@ def test_bad_inputs_give_clear_errors(tiny_llama_dir, samples_path, cache_dir, t
 
     # Through the CLI: exit status 2 and one line naming the problem.
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--target", str(tiny_llama_dir), "--data", str(empty), "--out", str(tmp_path / "x")])
+        main(["fit", "--target", str(tiny_llama_dir), "--data", str(tmp_path), "--out", str(tmp_path / "x")])
     assert exit_info.value.code == 2
-    assert "the dataset is empty" in capsys.readouterr().err
+    assert "no complete shard" in capsys.readouterr().err
 
     other_target = build_tiny_llama(tmp_path / "other", hidden_size=64)
     for method, heads in trained_heads.items():
         with pytest.raises(SystemExit):
-            main(["eval", "--target", str(other_target), "--samples", str(samples_path), "--heads", str(heads),
-                  "--cache-dir", str(cache_dir)])
+            main(["eval", "--target", str(other_target), "--data", str(dataset_dir), "--heads", str(heads)])
         assert "built for hidden size 128 and vocab 320" in capsys.readouterr().err, method

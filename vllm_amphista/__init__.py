@@ -11,12 +11,12 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from vllm_amphista import patches
-    from vllm_amphista.modeling_amphista import AmphistaConfig
+    from vllm_amphista.configuration_amphista import AmphistaConfig
+    from vllm_amphista.vllm import patches
 
     patches.apply()
     AutoConfig.register(AmphistaConfig.model_type, AmphistaConfig, exist_ok=True)
     if DRAFTER_ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(
-            DRAFTER_ARCHITECTURE, "vllm_amphista.vllm_drafter_model:AmphistaDrafterForVLLM"
+            DRAFTER_ARCHITECTURE, "vllm_amphista.vllm.amphista:AmphistaDrafterForVLLM"
         )

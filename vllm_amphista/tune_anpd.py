@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from vllm_amphista.anpd import NgramTables
-from vllm_amphista.bench import DEFAULT_QUESTIONS, load_questions
+from vllm_amphista.assets import SPEC_BENCH_QUESTIONS
+from vllm_amphista.prompts import load_questions
 
 GREEDY_ANSWERS = "greedy_answers.jsonl"
 # The flags that decide the answers: a cache made with others is regenerated.
@@ -91,7 +92,7 @@ def greedy_answers(args) -> list[dict]:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_amphista.measure import set_engine_env
+    from vllm_amphista.bench.engines import set_engine_env
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     questions, notes = load_questions(args.questions, tokenizer, None, args.per_category,
@@ -122,7 +123,7 @@ def drafters(args) -> dict[str, Callable[[list[int], list[int]], int]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="target model directory")
-    parser.add_argument("--questions", nargs="+", default=[DEFAULT_QUESTIONS],
+    parser.add_argument("--questions", nargs="+", default=[SPEC_BENCH_QUESTIONS],
                         help="Spec-Bench / MT-Bench JSONL files (default: %(default)s)")
     parser.add_argument("--per-category", type=int, help="questions per category (default: all)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: %(default)s)")

@@ -1,4 +1,4 @@
-"""Command line: python -m vllm_amphista.train {generate,fit,eval} --help
+"""Command line: python -m vllm_amphista.train {mix,generate,export-tokens,fit,eval} --help
 
 `fit` and `eval` flags mirror the fields of FitOptions / EvalOptions (one
 flag per field, dashes for underscores; a boolean that defaults to True is
@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import types
 import typing
+from pathlib import Path
 
-from vllm_amphista.train.data import load_prompts
+from vllm_amphista.prompts import load_conversations, read_records
+from vllm_amphista.train import generate as generate_module
+from vllm_amphista.train import prompt_mix
 from vllm_amphista.train.evaluate import EvalOptions, evaluate
 from vllm_amphista.train.fit import FitOptions, fit
-from vllm_amphista.train.heads import METHODS
-from vllm_amphista.train.target import DTYPES
+from vllm_amphista.train.batch import OBJECTIVES
+from vllm_amphista.train.generate import DTYPES
+from vllm_amphista.train.methods import METHODS
 
 FIT_HELP = {
-    "target": "target model directory (or hub id) with a transformers checkpoint",
-    "data": "samples JSONL written by `generate`",
+    "target": "target model directory with a transformers checkpoint",
+    "data": "dataset directories written by `generate`",
     "out": "output directory: the drafter (config.json + model.safetensors) and training/ state",
     "method": "drafter to train",
     "num_heads": "K: heads (Amphista, Medusa) or chained steps evaluated (EAGLE)",
@@ -34,37 +39,35 @@ FIT_HELP = {
     "no_sampled_token": "Amphista ablation: do not fuse the sampled token's embedding",
     "train_lm_head": "Amphista: train an own lm_head instead of sharing the target's",
     "medusa_layers": "Medusa: residual layers per head",
-    "eagle_ce_weight": "EAGLE: weight of the token cross-entropy next to the feature regression",
+    "eagle_ce_weight": "EAGLE: weight of the token loss next to the feature regression",
+    "objective": "hard: cross-entropy with the target's token; distill: with its top-k distribution",
     "draft_vocab_size": "draft vocabulary: the N most frequent output tokens (0 = the full vocabulary)",
-    "train_on_prompt": "also learn at prompt positions, not only on the target's outputs",
-    "max_seq_len": "cut longer samples to this many tokens",
+    "train_on_prompt": "also learn at prompt positions, not only on the target's outputs (hard objective)",
+    "row_tokens": "tokens per packed row (longer samples are cut)",
     "eval_fraction": "fraction of samples held out for accuracy evals (0 = none)",
+    "max_eval_samples": "at most this many held-out samples",
     "loss_decay": "head k's loss weight is decay**k",
     "epochs": "passes over the training samples (ignored with --max-steps)",
     "max_steps": "optimiser steps (default: epochs x batches)",
-    "batch_tokens": "padded tokens per training batch",
+    "batch_tokens": "packed tokens per training batch",
     "lr": "peak learning rate (AdamW)",
     "weight_decay": "AdamW weight decay",
     "warmup_ratio": "fraction of steps of linear warmup before the cosine decay",
     "grad_clip": "gradient-norm clip",
     "seed": "seed for the eval split, batch order and initialisation",
-    "bf16_autocast": "bfloat16 autocast for the drafter's matmuls",
+    "bf16_autocast": "bfloat16 autocast for the drafter's matmuls (pays on GPUs and CPUs with bf16 units)",
     "eval_every": "steps between held-out accuracy evals",
-    "eval_batch_tokens": "padded tokens per eval batch (eval logits span the whole draft vocabulary)",
     "checkpoint_every": "steps between resumable checkpoints (training/state.pt)",
     "resume": "continue from OUT/training/state.pt when present",
     "max_minutes": "stop (saving everything) after this many minutes",
-    "target_dtype": "dtype to run the target in for its hidden states",
-    "cache_dir": "where hidden states are cached (keyed by data, target and dtype)",
-    "cache_dtype": "dtype of the cached hidden states",
     "save_dtype": "dtype of the saved drafter weights",
-    "device": "torch device to train on",
+    "device": "torch device to train on (cpu, cuda)",
     "threads": "torch CPU threads (default: torch's choice)",
 }
 EVAL_HELP = {
-    "target": "target model directory (or hub id)",
+    "target": "target model directory",
     "heads": "one or more heads directories (Amphista, Medusa or EAGLE)",
-    "samples": "samples JSONL with the target's continuations (as written by `generate`)",
+    "data": "dataset directories with the target's answers (as written by `generate`)",
     "questions": "question files; their first turns are answered greedily by the target via vLLM",
     "prompt_field": "prompt field of the question files (default: auto-detected)",
     "max_questions": "use at most this many questions per file",
@@ -72,13 +75,13 @@ EVAL_HELP = {
     "max_model_len": "vLLM max_model_len when generating",
     "generation_dtype": "dtype vLLM generates in",
     "enforce_eager": "vLLM enforce_eager when generating",
-    "target_dtype": FIT_HELP["target_dtype"],
-    "cache_dir": FIT_HELP["cache_dir"],
-    "batch_tokens": FIT_HELP["eval_batch_tokens"],
+    "cache_dir": "where the answers to --questions are kept (keyed by questions and settings)",
+    "batch_tokens": "packed tokens per eval batch",
+    "row_tokens": FIT_HELP["row_tokens"],
     "eagle_steps": "chained steps to evaluate for EAGLE heads",
 }
-CHOICES = {"method": METHODS, **{name: sorted(DTYPES) for name in
-                                  ("target_dtype", "cache_dtype", "save_dtype", "generation_dtype")}}
+CHOICES = {"method": METHODS, "objective": OBJECTIVES,
+           **{name: sorted(DTYPES) for name in ("save_dtype", "generation_dtype")}}
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, options_class, helps: dict[str, str]) -> None:
@@ -113,27 +116,49 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vllm_amphista.train", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
+    mix = commands.add_parser(
+        "mix", help="build the self-distillation prompt mix (JSONL of conversations)",
+        description=prompt_mix.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mix.add_argument("--out", required=True, help="output JSONL of {id, category, messages}")
+    mix.add_argument("--alpaca", help="Alpaca JSON (instruction, input, output): first-turn mix")
+    mix.add_argument("--gsm8k", help="GSM8K JSONL (question, answer): first-turn mix")
+    mix.add_argument("--second-turns-from", nargs="+", metavar="DATASET_DIR",
+                     help="datasets of first-turn answers: build follow-ups to them instead")
+    mix.add_argument("--first-turns", help="the first-turn mix those datasets answered")
+    mix.add_argument("--target", help="target model dir (its tokenizer decodes the first answers)")
+    mix.add_argument("--count", type=int, default=2500, help="second turns to build (default: %(default)s)")
+    mix.add_argument("--seed", type=int, default=0)
+
     generate = commands.add_parser(
-        "generate", help="the target answers prompts via vLLM; writes prompt/output token ids as JSONL",
-        description="Self-distillation data. Use training prompts (Alpaca, GSM8K train, ...), never the "
-                    "benchmarks you will measure speed on (MT-Bench, Spec-Bench).",
-    )
-    generate.add_argument("--target", required=True, help="target model directory or hub id")
-    generate.add_argument("--prompts", required=True, nargs="+",
-                          help="Alpaca JSON (instruction+input), GSM8K JSONL (question), MT-Bench JSONL "
-                               "(turns), or any JSON/JSONL with --prompt-field")
-    generate.add_argument("--out", required=True, help="output samples JSONL")
+        "generate", help="the target answers prompts via vLLM; writes a dataset dir (answers, hidden states, top-k)",
+        description=generate_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate.add_argument("--target", required=True, help="target model directory")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", nargs="+",
+                        help="prompt files: a `mix` JSONL, Alpaca JSON, GSM8K JSONL, or any JSON/JSONL with "
+                             "--prompt-field. Never the benchmarks you measure speed on (MT-Bench, Spec-Bench)")
+    source.add_argument("--tokens", help="a tokens file (`export-tokens`): recompute its hidden states and top-k")
+    generate.add_argument("--out", required=True, help="output dataset directory (resumes where it stopped)")
     generate.add_argument("--prompt-field", help="record field holding the prompt (default: auto-detected)")
     generate.add_argument("--max-prompts", type=int, help="use at most this many prompts per file")
-    generate.add_argument("--max-tokens", type=int, default=512, help="tokens per answer (default: %(default)s)")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="default: %(default)s")
+    generate.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: %(default)s)")
+    generate.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                          help="engine dtype (default: %(default)s, the fastest on CPUs without bf16 units)")
+    generate.add_argument("--hidden-dtype", default="bfloat16", choices=sorted(DTYPES),
+                          help="dtype the hidden states are stored in (default: %(default)s)")
+    generate.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per position "
+                          "(default: %(default)s)")
     generate.add_argument("--max-model-len", type=int, default=1024, help="default: %(default)s")
-    generate.add_argument("--batch-size", type=int, default=256, help="prompts per vLLM call (default: %(default)s)")
-    generate.add_argument("--enforce-eager", action="store_true", help="disable compilation / graphs in vLLM")
+    generate.add_argument("--concurrency", type=int, default=256, help="requests in flight (default: %(default)s)")
+    generate.add_argument("--shard-size", type=int, default=512, help="samples per shard (default: %(default)s)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--enforce-eager", action="store_true", help="disable vLLM's compilation")
     generate.add_argument("--no-chat-template", dest="use_chat_template", action="store_false",
                           help="send raw prompts instead of applying the target's chat template")
+
+    export = commands.add_parser("export-tokens", help="write a dataset's token ids (no tensors) to a .jsonl.gz")
+    export.add_argument("--data", required=True, nargs="+", help="dataset directories")
+    export.add_argument("--out", required=True, help="tokens file (.jsonl.gz)")
 
     add_dataclass_arguments(
         commands.add_parser("fit", help="train Amphista heads or a Medusa/EAGLE baseline on generated samples"),
@@ -146,16 +171,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_generate(args: argparse.Namespace) -> None:
-    from vllm_amphista.train.generate import generate_samples
+def run_mix(args: argparse.Namespace) -> None:
+    if args.second_turns_from:
+        if not (args.target and args.first_turns):
+            raise ValueError("--second-turns-from needs --first-turns (the mix it answered) and --target")
+        from transformers import AutoTokenizer
 
-    prompts = [prompt for path in args.prompts for prompt in load_prompts(path, args.prompt_field, args.max_prompts)]
-    written = generate_samples(
-        args.target, prompts, args.out, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-        dtype=args.dtype, max_model_len=args.max_model_len, batch_size=args.batch_size,
-        enforce_eager=args.enforce_eager, use_chat_template=args.use_chat_template,
-    )
-    print(f"wrote {written} samples to {args.out}")
+        from vllm_amphista.train.data import Dataset
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        questions = {record["id"]: record for record in read_records(args.first_turns)}
+        first_turns = [{**questions[sample.id], "answer": tokenizer.decode(sample.output_ids, skip_special_tokens=True)}
+                       for sample in Dataset(args.second_turns_from).samples if sample.id in questions]
+        counts = prompt_mix.write_mix(args.out, prompt_mix.second_turn_mix(first_turns, args.count, args.seed))
+    elif args.alpaca and args.gsm8k:
+        counts = prompt_mix.build_first_turns(args.alpaca, args.gsm8k, args.out, seed=args.seed)
+    else:
+        raise ValueError("give --alpaca and --gsm8k (first turns) or --second-turns-from (second turns)")
+    for category, count in sorted(counts.items()):
+        print(f"{category:40s} {count:6d}")
+    print(f"{'total':40s} {sum(counts.values()):6d}  -> {args.out}")
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from vllm_amphista.train.data import read_token_file
+
+    options = dict(max_tokens=args.max_tokens, dtype=args.dtype, hidden_dtype=args.hidden_dtype, top_k=args.top_k,
+                   max_model_len=args.max_model_len, concurrency=args.concurrency, shard_size=args.shard_size,
+                   enforce_eager=args.enforce_eager, use_chat_template=args.use_chat_template, seed=args.seed)
+    if args.tokens:
+        totals = generate_module.generate_dataset(args.target, args.out, token_samples=read_token_file(args.tokens),
+                                                  **options)
+    else:
+        conversations = []
+        for path in args.prompts:
+            records = read_records(path)
+            for index, conversation in enumerate(load_conversations(path, args.prompt_field, args.max_prompts)):
+                record = records[index]
+                conversations.append((str(record.get("id", f"{Path(path).stem}-{index}")),
+                                      str(record.get("category", Path(path).stem)), conversation))
+        totals = generate_module.generate_dataset(args.target, args.out, conversations=conversations, **options)
+    print(json.dumps(totals))
+
+
+def run_export(args: argparse.Namespace) -> None:
+    from vllm_amphista.train.data import Dataset, write_token_file
+
+    dataset = Dataset(args.data)
+    write_token_file(args.out, dataset.samples)
+    print(f"wrote {len(dataset)} samples ({dataset.num_output_tokens} output tokens) to {args.out}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,11 +228,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     options = {key: value for key, value in vars(args).items() if key != "command"}
     try:
-        if args.command == "generate":
+        if args.command == "mix":
+            run_mix(args)
+        elif args.command == "generate":
             run_generate(args)
+        elif args.command == "export-tokens":
+            run_export(args)
         elif args.command == "fit":
             result = fit(FitOptions(**options))
-            print(f"trained {result.steps} steps in {result.seconds:.0f} s; drafter saved to {args.out}")
+            print(f"trained {result.steps} steps in {result.seconds:.0f} s ({result.tokens_per_second:.0f} training "
+                  f"tokens/s); drafter saved to {args.out}")
         else:
             evaluate(EvalOptions(**options))
     except (ValueError, FileNotFoundError) as error:  # DataError is a ValueError

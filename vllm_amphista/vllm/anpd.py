@@ -12,9 +12,13 @@ drafts, and rebuilt from their tokens when they return.
 from __future__ import annotations
 
 from vllm_amphista.anpd import AnpdDrafter
+from vllm_amphista.vllm.config import draft_length_mode
 
 # Contexts kept per request: a 4k-token request needs about 5 x 4k at N=6.
 MAX_CONTEXTS_PER_REQUEST = 65536
+# With a load-aware draft length, a request's draft stops where the n-gram chain's confidence
+# (anpd.NgramTables._predict) falls below this: weak matches are not verified for nothing.
+MIN_DRAFT_CONFIDENCE = 0.1
 
 
 class AnpdProposer:
@@ -26,6 +30,7 @@ class AnpdProposer:
             max_entries_per_request=MAX_CONTEXTS_PER_REQUEST,
             num_speculative_tokens=spec.num_speculative_tokens,
         )
+        self.min_confidence = MIN_DRAFT_CONFIDENCE if draft_length_mode(spec) == "adaptive" else 0.0
 
     def propose(self, num_speculative_tokens: int, input_batch, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         req_ids = input_batch.req_ids
@@ -34,11 +39,11 @@ class AnpdProposer:
         for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             num_tokens = int(input_batch.num_tokens_no_spec[row])
             room = min(num_speculative_tokens, self.max_model_len - num_tokens)
-            if not sampled or room <= 0:  # a prefill chunk, or no room left to draft
+            if not sampled or room <= 0:  # a prefill chunk, no room left, or K=0 this step
                 drafts.append([])
                 continue
             self.drafter.sync(req_id, input_batch.token_ids_cpu[row, :num_tokens])
-            drafts.append(self.drafter.draft(req_id, room))
+            drafts.append(self.drafter.draft(req_id, room, self.min_confidence))
         return drafts
 
     def drop_finished(self, req_ids) -> None:

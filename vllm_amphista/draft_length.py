@@ -1,0 +1,157 @@
+"""Load-aware draft length: how many tokens to draft next step, learned online.
+
+Speculation pays when the tokens it adds per step outweigh what verifying
+the drafts costs. Both sides change at run time: a step of the target costs
+little more for 5 tokens than for 1 when one request runs (weights are read
+once), but about 5x as much when 16 requests already fill the cores; and
+acceptance depends on the text. So each step the scheduler asks for the K
+that maximises expected tokens per second for the batch it is scheduling:
+
+    rate(K) = B * (1 + sum_{i<=K} f_i * P_i) / T(B * (1 + sum_{i<=K} f_i))
+
+with B the batch size, f_i the share of requests whose draft reaches
+position i when K >= i (drafters stop early: no n-gram match, a low-
+confidence head), P_i the chance that drafted position i is accepted
+(product of per-position acceptance), and T(n) the step time for n tokens
+verified. K=0 wins when no draft pays.
+
+T is learned from the engine's own decode steps (seconds per step against
+tokens scheduled, a smoothed table interpolated between measured sizes;
+sizes never measured are extrapolated as if compute bound, which is
+pessimistic), acceptance from the tokens the rejection sampler accepted. To
+keep both current where the best K is not being run, every
+`explore_every`-th choice tries one K away from the best.
+
+Pure Python, no vLLM: the patches feed it the scheduler's outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class StepCost:
+    """Seconds per decode step against the number of tokens the target verifies."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.smoothing = smoothing
+        self._sizes: list[int] = []
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens < 1 or seconds <= 0.0:
+            return
+        previous = self._seconds.get(num_tokens)
+        if previous is None:
+            bisect.insort(self._sizes, num_tokens)
+            self._seconds[num_tokens] = seconds
+        else:
+            self._seconds[num_tokens] = previous + self.smoothing * (seconds - previous)
+
+    def predict(self, num_tokens: float) -> float | None:
+        """Step time for num_tokens (None before any step was measured)."""
+        sizes = self._sizes
+        if not sizes:
+            return None
+        if num_tokens <= sizes[0]:
+            return self._seconds[sizes[0]]
+        if num_tokens >= sizes[-1]:
+            # Never measured this large: assume time grows in proportion to tokens.
+            return self._seconds[sizes[-1]] * num_tokens / sizes[-1]
+        right = bisect.bisect_left(sizes, num_tokens)
+        lo, hi = sizes[right - 1], sizes[right]
+        t_lo, t_hi = self._seconds[lo], self._seconds[hi]
+        return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
+
+
+class DraftAcceptance:
+    """Per draft position: how often a draft reaches it, and how often it is accepted there.
+
+    Counts decay geometrically so the estimates follow the text being
+    generated; a prior keeps positions never tried optimistic enough to be explored.
+    """
+
+    def __init__(self, max_k: int, decay: float = 0.995, prior_accept: float = 0.5, prior_weight: float = 2.0):
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        self.max_k = max_k
+        self.decay = decay
+        self._reached = [prior_weight] * max_k  # drafts asked to reach position i that did
+        self._asked = [prior_weight] * max_k  # drafts asked to reach position i
+        self._accepted = [prior_weight * prior_accept] * max_k  # accepted at i, given reached and i-1 accepted
+        self._tried = [prior_weight] * max_k  # reached i with i-1 accepted
+
+    def observe(self, num_asked: int, num_drafted: int, num_accepted: int) -> None:
+        """One request's verified draft: asked for num_asked tokens, drafted num_drafted, accepted num_accepted."""
+        decay = self.decay
+        for i in range(min(num_asked, self.max_k)):
+            self._asked[i] = self._asked[i] * decay + 1.0
+            self._reached[i] = self._reached[i] * decay + (1.0 if i < num_drafted else 0.0)
+        for i in range(min(num_drafted, num_accepted + 1, self.max_k)):
+            self._tried[i] = self._tried[i] * decay + 1.0
+            self._accepted[i] = self._accepted[i] * decay + (1.0 if i < num_accepted else 0.0)
+
+    def expected(self, k: int) -> tuple[float, float]:
+        """(expected draft tokens verified, expected draft tokens accepted) per request at draft length k."""
+        verified = accepted = 0.0
+        reach = keep = 1.0
+        for i in range(min(k, self.max_k)):
+            # A draft that stopped early stays stopped.
+            reach = min(reach, self._reached[i] / self._asked[i])
+            keep *= self._accepted[i] / self._tried[i]
+            verified += reach
+            accepted += reach * keep
+        return verified, accepted
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / t for a, t in zip(self._accepted, self._tried)]
+
+
+class AdaptiveDraftLength:
+    """The scheduler's draft length for a batch size: `controller[batch_size]`, as vLLM's
+    per-batch-size schedule is read; fed each finished step through `observe_step`."""
+
+    def __init__(self, max_k: int, explore_every: int = 16) -> None:
+        self.max_k = max_k
+        self.explore_every = explore_every
+        self.cost = StepCost()
+        self.acceptance = DraftAcceptance(max_k)
+        self._choices = 0
+        # The K in force when the drafts now being verified were proposed, and the K after it.
+        self._asked_before = max_k
+        self._asked_last = max_k
+
+    def best(self, batch_size: int) -> int:
+        rates = [self.rate(batch_size, k) for k in range(self.max_k + 1)]
+        if any(rate is None for rate in rates):
+            return self.max_k  # nothing measured yet: run as configured until steps are timed
+        return max(range(self.max_k + 1), key=lambda k: rates[k])
+
+    def rate(self, batch_size: int, k: int) -> float | None:
+        """Expected tokens per second for a batch of batch_size decoding requests at draft length k."""
+        verified, accepted = self.acceptance.expected(k)
+        seconds = self.cost.predict(batch_size * (1.0 + verified))
+        if seconds is None:
+            return None
+        return batch_size * (1.0 + accepted) / seconds
+
+    def __getitem__(self, batch_size: int) -> int:
+        k = self.best(batch_size)
+        self._choices += 1
+        if self.explore_every and self._choices % self.explore_every == 0:
+            # Alternate above and below the best, so both neighbours stay measured.
+            step = 1 if (self._choices // self.explore_every) % 2 else -1
+            k = min(self.max_k, max(0, k + step))
+        self._asked_before, self._asked_last = self._asked_last, k
+        return k
+
+    def observe_step(self, requests: list[tuple[int, int, int]], seconds: float | None) -> None:
+        """A finished step: per request (tokens scheduled, draft tokens scheduled, draft tokens
+        accepted); seconds is the step's wall time, None when it was not a pure decode step."""
+        asked = self._asked_before
+        for _, num_drafted, num_accepted in requests:
+            self.acceptance.observe(asked, num_drafted, num_accepted)
+        if seconds is not None:
+            self.cost.observe(sum(num_tokens for num_tokens, _, _ in requests), seconds)

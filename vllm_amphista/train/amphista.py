@@ -1,0 +1,67 @@
+"""Training Amphista: `modeling_amphista.AmphistaDrafter`, saved with its own `save_pretrained`
+(config.json model_type "amphista", loaded by the plugin)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vllm_amphista.configuration_amphista import AmphistaConfig
+from vllm_amphista.modeling_amphista import AmphistaDrafter
+from vllm_amphista.train.batch import Batch, DraftVocab, causal_attention_mask
+from vllm_amphista.train.drafter import DraftMethod, id_list, id_tensor
+from vllm_amphista.train.target import Target
+
+
+class AmphistaMethod(DraftMethod):
+    name = "amphista"
+
+    def __init__(self, drafter: AmphistaDrafter):
+        super().__init__()
+        self.drafter = drafter
+        self.num_heads = drafter.config.num_draft_heads
+        self.vocab = self.loss_vocab = DraftVocab(drafter.draft_to_target, drafter.config.vocab_size)
+        if drafter.lm_head is not None and drafter.config.share_lm_head:
+            # A draft-vocabulary slice of the target's lm_head stays the target's.
+            drafter.lm_head.requires_grad_(False)
+
+    @classmethod
+    def create(cls, target: Target, draft_to_target: torch.Tensor | None, **config_overrides) -> AmphistaMethod:
+        draft_vocab_size = 0 if draft_to_target is None else len(draft_to_target)
+        config = AmphistaConfig.from_target_config(target.config, draft_vocab_size=draft_vocab_size, **config_overrides)
+        drafter = AmphistaDrafter(config)
+        drafter.init_from_target(target.lm_head_weight, draft_to_target)
+        return cls(drafter)
+
+    def build_spec(self) -> dict:
+        return {"config": self.drafter.config.to_dict(), "draft_to_target": id_list(self.vocab.draft_to_target)}
+
+    @classmethod
+    def from_spec(cls, spec: dict, target: Target) -> AmphistaMethod:
+        config = AmphistaConfig.from_dict(spec["config"])
+        target.check_matches(config.hidden_size, config.vocab_size, "the Amphista checkpoint")
+        drafter = AmphistaDrafter(config)
+        drafter.init_from_target(target.lm_head_weight, id_tensor(spec["draft_to_target"]))
+        return cls(drafter)
+
+    def head_features(self, batch: Batch, target: Target, rows: torch.Tensor) -> torch.Tensor:
+        stage1, stage2 = self.drafter.stage_outputs(batch.hidden, batch.next_token_ids, target.embed_weight,
+                                                    batch.position_ids, causal_attention_mask(batch.segment_ids))
+        # The Auto-embedding Block works on single positions: run it where drafts are needed only.
+        return self.drafter.auto_embedding(stage1[rows], stage2[rows])
+
+    def vocab_weight(self, target: Target) -> torch.Tensor:
+        return self.drafter.vocab_weight(target.lm_head_weight)
+
+    def loss_vocab_weight(self, target: Target) -> torch.Tensor:
+        return self.vocab_weight(target)  # already the draft vocabulary's rows
+
+    def save(self, directory, dtype=torch.bfloat16):
+        self.drafter.save_pretrained(directory, dtype=dtype)
+
+    @classmethod
+    def load(cls, directory: Path, target: Target) -> AmphistaMethod:
+        drafter = AmphistaDrafter.from_pretrained(directory, dtype=torch.float32)
+        target.check_matches(drafter.config.hidden_size, drafter.config.vocab_size, str(directory))
+        return cls(drafter)

@@ -1,0 +1,173 @@
+"""Which plugin method a speculative config asks for, and whether its heads dir and options are sound.
+
+Runs inside `SpeculativeConfig.__post_init__` (see patches.py), before any
+model loads, so every bad input gets one clear error naming the file and the
+problem instead of a half-started engine. Reads vLLM's config object but
+imports nothing of vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_amphista.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadsDirError,
+    check_safetensors_complete,
+    read_heads_config,
+)
+
+PLUGIN_METHODS = ("amphista", "anpd", "amphista_anpd")
+# Methods that draft with Amphista heads (and take a heads dir as `model`).
+HEADS_METHODS = ("amphista", "amphista_anpd")
+HEADS_MODEL_TYPE = "amphista"
+
+
+def _model_type_of(path: str | None) -> str | None:
+    """The model_type a local model dir declares; a broken config.json is an error, not "unknown"."""
+    if not path or not os.path.isfile(os.path.join(path, CONFIG_NAME)):
+        return None
+    return read_heads_config(path).get("model_type")
+
+
+def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: int | None) -> int:
+    """Validate an Amphista heads dir against its target; return the number of heads K."""
+    config = read_heads_config(path)
+    config_path = os.path.join(path, CONFIG_NAME)
+    model_type = config.get("model_type")
+    if model_type != "amphista":
+        raise HeadsDirError(
+            f"{config_path} has model_type {model_type!r}; method 'amphista' needs an "
+            "Amphista heads dir (model_type 'amphista')"
+        )
+    check_safetensors_complete(os.path.join(path, WEIGHTS_NAME))
+    if target_hf_config is not None:
+        target = getattr(target_hf_config, "get_text_config", lambda: target_hf_config)()
+        trained_for = config.get("target_model_type")
+        if trained_for is not None and trained_for != target.model_type:
+            raise HeadsDirError(
+                f"{config_path}: these heads were trained for a {trained_for!r} target, but the target "
+                f"model is a {target.model_type!r}"
+            )
+        for key in ("hidden_size", "vocab_size"):
+            if config.get(key) != getattr(target, key, None):
+                raise HeadsDirError(
+                    f"{config_path}: {key}={config.get(key)} does not match the target "
+                    f"model's {key}={getattr(target, key, None)}; these heads were trained "
+                    "for another model"
+                )
+    num_heads = config.get("num_draft_heads")
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise HeadsDirError(f"{config_path}: num_draft_heads must be a positive int, got {num_heads!r}")
+    if num_speculative_tokens is not None and num_speculative_tokens > num_heads:
+        raise HeadsDirError(
+            f"num_speculative_tokens={num_speculative_tokens} exceeds the {num_heads} "
+            f"drafting heads in {path}; use at most {num_heads}"
+        )
+    return num_heads
+
+
+def resolve_plugin_method(spec) -> str | None:
+    """Our method for this SpeculativeConfig (validated, defaults filled), or None if not ours.
+
+    `spec` is vLLM's SpeculativeConfig during __post_init__: only plain
+    attributes are read and `num_speculative_tokens` / `prompt_lookup_*` filled.
+    """
+    method = spec.method
+    if method is None and _model_type_of(spec.model) == HEADS_MODEL_TYPE:
+        method = "amphista"
+    if method not in PLUGIN_METHODS:
+        return None
+    target_config = getattr(spec.target_model_config, "hf_config", None)
+    if method in HEADS_METHODS:
+        if not spec.model:
+            raise HeadsDirError(f"method {method!r} needs 'model': the path of an Amphista heads dir")
+        num_heads = check_amphista_heads(spec.model, target_config, spec.num_speculative_tokens)
+        if spec.num_speculative_tokens is None:
+            spec.num_speculative_tokens = num_heads
+    else:
+        if spec.model not in (None, "anpd"):
+            raise HeadsDirError(f"method 'anpd' is training-free and takes no 'model', got {spec.model!r}")
+        if spec.num_speculative_tokens is None:
+            raise HeadsDirError("method 'anpd' needs num_speculative_tokens (draft tokens per step)")
+    if method != "amphista":
+        check_ngram_options(spec, method)
+    return method
+
+
+# Longest n-gram context (N-1), i.e. N=6: what `python -m vllm_amphista.tune_anpd` recommends for the
+# demo target on all 480 Spec-Bench questions (the smallest N within 0.5% of the best tried; BENCHMARKS.md).
+ANPD_DEFAULT_MAX_CONTEXT = 5
+
+
+def check_ngram_options(spec, method: str) -> None:
+    """ANPD's tables (alone or in the hybrid) reuse vLLM's n-gram window fields: prompt_lookup_max
+    is the longest context (N-1) of the N-gram tables; lookups always fall back to 2-grams, so
+    prompt_lookup_min, if given, must be 1."""
+    if spec.prompt_lookup_min not in (None, 1):
+        raise HeadsDirError(
+            f"method {method!r} always falls back to 2-grams: prompt_lookup_min must be 1, "
+            f"got {spec.prompt_lookup_min}"
+        )
+    if spec.prompt_lookup_max is not None and (not isinstance(spec.prompt_lookup_max, int)
+                                               or spec.prompt_lookup_max < 1):
+        raise HeadsDirError(f"prompt_lookup_max must be a positive int, got {spec.prompt_lookup_max!r}")
+    spec.prompt_lookup_min = 1
+    if spec.prompt_lookup_max is None:
+        spec.prompt_lookup_max = ANPD_DEFAULT_MAX_CONTEXT
+
+
+# The plugin's speculative-config key for the draft length of amphista and anpd:
+#   "adaptive" (default): each step drafts the K (0..num_speculative_tokens) that the load and
+#       the measured acceptance make fastest (vllm_amphista/draft_length.py), and each request's
+#       draft stops early where its confidence is low;
+#   "fixed": always num_speculative_tokens.
+# A user's own `num_speculative_tokens_per_batch_size` schedule is respected as given.
+DRAFT_LENGTH_KEY = "draft_length"
+DRAFT_LENGTH_MODES = ("adaptive", "fixed")
+# vLLM expands a per-batch-size schedule up to max_num_seqs: one range covers every batch size.
+_ALL_BATCH_SIZES = 1 << 20
+
+
+def take_draft_length(speculative_config: dict | None) -> str | None:
+    """Remove the plugin's key from a user's speculative-config dict (vLLM forbids unknown
+    keys) and check its value; None when not given."""
+    if not speculative_config or DRAFT_LENGTH_KEY not in speculative_config:
+        return None
+    requested = speculative_config.pop(DRAFT_LENGTH_KEY)
+    if requested not in DRAFT_LENGTH_MODES:
+        raise ValueError(
+            f"speculative config {DRAFT_LENGTH_KEY!r} must be one of {list(DRAFT_LENGTH_MODES)}, got {requested!r}"
+        )
+    return requested
+
+
+def settle_draft_length(spec, requested: str | None) -> None:
+    """Record on a built SpeculativeConfig how its draft length is chosen; for "adaptive", mark
+    it as vLLM's dynamic speculative decoding so vLLM passes a per-step K to the drafter (and,
+    on CUDA, captures graphs for varying verification lengths)."""
+    if spec is None:
+        return
+    if spec.method not in PLUGIN_METHODS:
+        if requested is not None:
+            raise ValueError(
+                f"speculative config {DRAFT_LENGTH_KEY!r} is for the methods {list(PLUGIN_METHODS)}, "
+                f"not {spec.method!r}"
+            )
+        return
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        if requested is not None:
+            raise ValueError(
+                f"give either {DRAFT_LENGTH_KEY!r} or num_speculative_tokens_per_batch_size, not both"
+            )
+        spec.draft_length = "schedule"
+        return
+    spec.draft_length = requested or "adaptive"
+    if spec.draft_length == "adaptive":
+        spec.num_speculative_tokens_per_batch_size = [(1, _ALL_BATCH_SIZES, spec.num_speculative_tokens)]
+
+
+def draft_length_mode(spec) -> str | None:
+    """"adaptive", "fixed" or "schedule" for our methods; None for vLLM's own."""
+    return getattr(spec, "draft_length", None)
