@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16", help="target dtype for the answers (default: %(default)s)")
     parser.add_argument("-k", type=int, default=4)
-    parser.add_argument("--ngram-weights", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument("--ngram-weights", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0, 4.0])
     parser.add_argument("--out", required=True, help="directory for the cached answers and the table")
     args = parser.parse_args(argv)
 
