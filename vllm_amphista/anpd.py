@@ -118,14 +118,7 @@ class NgramTables:
     def draft(self, k: int, min_confidence: float = 0.0) -> list[int]:
         """Propose up to k tokens continuing the history; fewer if nothing matches, or once the
         product of the predictions' confidences falls below min_confidence."""
-        drafted = []
-        chain_confidence = 1.0
-        for token, confidence in self.scored_draft(k):
-            chain_confidence *= confidence
-            if chain_confidence < min_confidence:
-                break
-            drafted.append(token)
-        return drafted
+        return confident_prefix(self.scored_draft(k), min_confidence)
 
     def scored_draft(self, k: int, prefix: Sequence[int] = ()) -> list[tuple[int, float]]:
         """Up to k (token, confidence) predictions continuing the history followed by `prefix`
@@ -166,6 +159,19 @@ class NgramTables:
             context: (c.best_token, dict(c.counts))
             for context, c in self._entries.items()
         }
+
+
+def confident_prefix(chain: Sequence[tuple[int, float]], min_confidence: float) -> list[int]:
+    """The tokens of a (token, confidence) chain up to where the running product of the
+    confidences falls below min_confidence."""
+    tokens = []
+    running = 1.0
+    for token, confidence in chain:
+        running *= confidence
+        if running < min_confidence:
+            break
+        tokens.append(token)
+    return tokens
 
 
 class AnpdDrafter:

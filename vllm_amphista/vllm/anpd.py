@@ -21,7 +21,10 @@ MAX_CONTEXTS_PER_REQUEST = 65536
 MIN_DRAFT_CONFIDENCE = 0.1
 
 
-class AnpdProposer:
+class RequestTables:
+    """Each live request's N-gram tables, kept in step with vLLM's input batch: shared by the
+    ANPD and hybrid proposers."""
+
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -30,28 +33,19 @@ class AnpdProposer:
             max_entries_per_request=MAX_CONTEXTS_PER_REQUEST,
             num_speculative_tokens=spec.num_speculative_tokens,
         )
-        self.min_confidence = MIN_DRAFT_CONFIDENCE if draft_length_mode(spec) == "adaptive" else 0.0
 
-    def propose(self, num_speculative_tokens: int, input_batch, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        req_ids = input_batch.req_ids
-        self.drafter.retain_only(req_ids)
-        drafts: list[list[int]] = []
-        for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
-            num_tokens = int(input_batch.num_tokens_no_spec[row])
-            room = min(num_speculative_tokens, self.max_model_len - num_tokens)
-            if not sampled or room <= 0:  # a prefill chunk, no room left, or K=0 this step
-                drafts.append([])
-                continue
+    def sync_for_draft(self, input_batch, row: int, req_id: str, k: int) -> int:
+        """Tokens a request may draft (k, less where max_model_len leaves no room); when any,
+        its tables have absorbed its tokens so far."""
+        num_tokens = int(input_batch.num_tokens_no_spec[row])
+        room = min(k, self.max_model_len - num_tokens)
+        if room > 0:
             self.drafter.sync(req_id, input_batch.token_ids_cpu[row, :num_tokens])
-            drafts.append(self.drafter.draft(req_id, room, self.min_confidence))
-        return drafts
+        return room
 
     def drop_finished(self, req_ids) -> None:
         for req_id in req_ids:
             self.drafter.drop(req_id)
-
-    def load_model(self, *args, **kwargs) -> None:
-        pass  # training-free
 
     @property
     def state_size(self) -> tuple[int, int]:
@@ -59,3 +53,28 @@ class AnpdProposer:
         return self.drafter.num_requests, self.drafter.total_entries
 
 
+class AnpdProposer:
+    def __init__(self, vllm_config):
+        self.tables = RequestTables(vllm_config)
+        adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
+        self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
+
+    def propose(self, num_speculative_tokens: int, input_batch, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        req_ids = input_batch.req_ids
+        self.tables.drafter.retain_only(req_ids)
+        drafts: list[list[int]] = []
+        for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
+            # A prefill chunk, K=0 this step, or no room left: no draft.
+            room = self.tables.sync_for_draft(input_batch, row, req_id, num_speculative_tokens) if sampled else 0
+            drafts.append(self.tables.drafter.draft(req_id, room, self.min_confidence) if room > 0 else [])
+        return drafts
+
+    def drop_finished(self, req_ids) -> None:
+        self.tables.drop_finished(req_ids)
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass  # training-free
+
+    @property
+    def state_size(self) -> tuple[int, int]:
+        return self.tables.state_size
