@@ -15,9 +15,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_amphista.assets import SHIPPED_HEADS
+    from vllm_amphista.cpu_dtype import choose_cpu_dtype
 
+    dtype = choose_cpu_dtype()  # on a CPU: float32 unless it has bf16 units
+    print(dtype.describe())
     llm = LLM(
         model=args.target,
+        dtype=dtype.dtype,
         max_model_len=2048,
         speculative_config={"method": "amphista", "model": args.heads or SHIPPED_HEADS, "num_speculative_tokens": 4},
         disable_log_stats=False,

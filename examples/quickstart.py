@@ -1,15 +1,22 @@
-"""Quickstart: the demo target answers a few prompts through vLLM, without and
-with speculative decoding, and prints tokens/s, the speedup and tau.
+"""Quickstart: the demo target answers a few prompts through vLLM, without and with speculative
+decoding, and prints tokens/s, the speedup and tau for every method.
 
     make demo          # sets everything up, then runs this
     python examples/quickstart.py --target models/SmolLM2-135M-Instruct
 
-Shows Amphista with the heads shipped in the package, and ANPD (training-free).
-Greedy decoding: every method must print the same answers as plain decoding.
+Rows: plain decoding, vLLM's own ngram, and this plugin's anpd (training-free),
+amphista (the heads shipped in the package) and amphista_anpd (both), all in
+the dtype this CPU computes fastest (vllm_amphista/cpu_dtype.py: float32 unless
+the CPU has bf16 units), plus plain decoding in vLLM's default dtype, so the
+table shows whether speculation beats the best plain configuration here.
+Greedy decoding: in float32 every method prints exactly the plain answers.
+
+Each engine is vLLM's default engine (engine core in its own process) in a
+subprocess of its own, eager unless --engine compiled (compiling costs minutes
+per engine on a 2-core CPU).
 """
 
 import argparse
-import gc
 import os
 
 PROMPTS = [
@@ -18,6 +25,9 @@ PROMPTS = [
     "List five tips for staying focused while studying, one line each.",
     "A shop sells pens at 3 dollars each. How much do 7 pens cost? Explain step by step.",
 ]
+METHODS = ("vanilla", "ngram", "anpd", "amphista", "amphista_anpd")
+# What vLLM runs when no dtype is given: the checkpoint's bf16 (vLLM-CPU keeps bf16 on every x86 CPU).
+VLLM_DEFAULT_DTYPE = "bfloat16"
 
 
 def main() -> None:
@@ -26,43 +36,67 @@ def main() -> None:
     parser.add_argument("--heads", default=None, help="Amphista heads dir (default: the shipped heads)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--dtype", default=None, help="dtype of every method's row (default: this CPU's fastest)")
+    parser.add_argument("--engine", choices=("eager", "compiled"), default="eager")
+    parser.add_argument("--engine-core", choices=("separate", "in-process"), default="separate",
+                        help="separate: vLLM's default; in-process: faster start-up, for quick runs")
     args = parser.parse_args()
 
+    from transformers import AutoTokenizer
+
     from vllm_amphista.assets import SHIPPED_HEADS
-    from vllm_amphista.bench.engines import make_engine, run_prompts, set_engine_env
+    from vllm_amphista.bench.engines import EngineFailed, EngineProcess, engine_label, set_engine_env
+    from vllm_amphista.cpu_dtype import choose_cpu_dtype
     from vllm_amphista.prompts import chat_prompt_ids
 
-    set_engine_env()
+    set_engine_env(kv_cache_gib=1)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    choice = choose_cpu_dtype()
+    dtype = args.dtype or choice.dtype
+    print(choice.describe() if args.dtype is None else f"dtype {dtype} (--dtype)", flush=True)
     heads = args.heads or SHIPPED_HEADS
-    methods = ["vanilla", "anpd"]
-    if os.path.isfile(os.path.join(heads, "config.json")):
-        methods.append("amphista")
-    else:
+    methods = list(METHODS)
+    if not os.path.isfile(os.path.join(heads, "config.json")):
         print(f"No Amphista heads at {heads}: showing the drafters that exist.")
+        methods = [method for method in methods if not method.startswith("amphista")]
+    rows = [(method, method, dtype) for method in methods]
+    if dtype != VLLM_DEFAULT_DTYPE:
+        rows.append((f"vanilla ({VLLM_DEFAULT_DTYPE}, vLLM's default)", "vanilla", VLLM_DEFAULT_DTYPE))
 
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in PROMPTS]
     results = {}
-    for method in methods:
-        llm = make_engine(args.target, method, args.num_speculative_tokens,
-                          heads if method == "amphista" else None, dtype="bfloat16", max_model_len=1024)
-        tokenizer = llm.get_tokenizer()
-        prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in PROMPTS]
-        run_prompts(llm, prompt_ids[:1], max_tokens=8)  # warm-up
-        results[method] = run_prompts(llm, prompt_ids, max_tokens=args.max_tokens)
-        del llm
-        gc.collect()
+    for label, method, row_dtype in rows:
+        print(f"building {label} ({row_dtype}) ...", flush=True)
+        engine_args = dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
+                           heads_dir=heads if method.startswith("amphista") else None, dtype=row_dtype,
+                           max_model_len=1024, enforce_eager=args.engine == "eager")
+        try:
+            engine = EngineProcess(engine_args, prompt_ids[0], engine_core=args.engine_core)
+        except EngineFailed as error:
+            print(f"{label}: {error}")
+            continue
+        try:
+            results[label] = engine.run(prompt_ids, args.max_tokens, 0.0)
+        finally:
+            engine.close()
 
     vanilla = results["vanilla"]
     print("\n=== answers (greedy, plain decoding) ===")
     for prompt, ids in zip(PROMPTS, vanilla.outputs):
         print(f"\n> {prompt}\n{tokenizer.decode(ids, skip_special_tokens=True)}")
-    print("\n=== speed (bf16, one request at a time, this machine) ===")
-    print(f"{'method':<10}{'tok/s':>8}{'speedup':>9}{'tau':>7}   same answers as plain decoding")
-    for method, result in results.items():
+    print(f"\n=== speed: one request at a time, {engine_label(args.engine, args.engine_core)}, this machine ===")
+    print(f"{'method':<32}{'dtype':>10}{'tok/s':>8}{'speedup':>9}{'tau':>7}   same answers as plain {dtype}")
+    for label, method, row_dtype in rows:
+        if label not in results:
+            continue
+        result = results[label]
         same = sum(a == b for a, b in zip(result.outputs, vanilla.outputs))
-        print(f"{method:<10}{result.tokens_per_second:>8.1f}{result.tokens_per_second / vanilla.tokens_per_second:>8.2f}x"
-              f"{result.tau:>7.2f}   {same}/{len(PROMPTS)}")
-    print("tau = generated tokens / target forward steps (1.00 without speculation). bf16 rounding can make a "
-          "speculative answer drift from the plain one after many tokens; float32 runs match exactly (see tests).")
+        print(f"{label:<32}{row_dtype:>10}{result.tokens_per_second:>8.1f}"
+              f"{result.tokens_per_second / vanilla.tokens_per_second:>8.2f}x{result.tau:>7.2f}   {same}/{len(PROMPTS)}")
+    print(f"speedup: over plain decoding in {dtype}. tau = generated tokens / target forward steps (1.00 without "
+          "speculation). In float32 speculative answers equal the plain ones token for token; in bf16 rounding can "
+          "make them drift after many tokens.")
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ def test_tables_validation():
 
 
 def test_replay_counts_target_steps():
-    from vllm_amphista.tune_anpd import anpd_steps, replay
+    from vllm_amphista.replay import anpd_steps, replay
 
     output = list(range(100, 111))  # 11 tokens: the prefill step emits the first
     oracle = lambda context, room: output[len(context) - 3: len(context) - 3 + room]  # noqa: E731

@@ -177,7 +177,7 @@ def test_anpd_replay_predicts_the_engines_steps(tokenizer):
     an engine per N: on the engine's own outputs the replay must count exactly
     the target steps the engine took."""
     from vllm_amphista.vllm.config import ANPD_DEFAULT_MAX_CONTEXT
-    from vllm_amphista.tune_anpd import anpd_steps
+    from vllm_amphista.replay import anpd_steps
 
     requests = chat_requests(tokenizer, first_turns(SPEC_BENCH, per_category=1), max_tokens=128)
     spec = run_engine(TARGET, requests, {"method": "anpd", "num_speculative_tokens": 4},

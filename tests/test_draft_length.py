@@ -65,3 +65,31 @@ def test_short_drafts_in_between():
     # Expected tokens/s by K: 333, 457, 490, 483, 462.
     chosen = simulate(lambda tokens: 0.020 + 0.0005 * tokens, accept_probability=0.6, batch_size=8)
     assert sorted(chosen)[len(chosen) // 2] in (2, 3)
+
+
+def test_start_up_timings_are_shifted_by_the_first_real_step():
+    cost = StepCost()
+    cost.calibrate({1: 0.010, 5: 0.012, 10: 0.020})
+    assert cost.sizes == [1, 5, 10] and cost.predict(3) == pytest.approx(0.011)
+    cost.observe(5, 0.015)  # a real step costs 3 ms more than the model alone at every size
+    assert cost.predict(1) == pytest.approx(0.013) and cost.predict(10) == pytest.approx(0.023)
+    cost.observe(1, 0.033)  # from then on, smoothed as before
+    assert cost.predict(1) == pytest.approx(0.013 + 0.2 * 0.020)
+
+
+def test_calibration_sizes_cover_one_to_k_plus_one_tokens_per_request():
+    controller = AdaptiveDraftLength(max_k=4)
+    assert controller.calibration_sizes(max_batch_size=1, max_tokens=2048) == [1, 2, 3, 4, 5]
+    sizes = controller.calibration_sizes(max_batch_size=256, max_tokens=2048)
+    assert {4, 20, 16 * 5} <= set(sizes) and max(sizes) == 16 * 5
+    assert max(controller.calibration_sizes(max_batch_size=256, max_tokens=32)) <= 32
+
+
+def test_a_calibrated_controller_decides_from_the_first_step():
+    cheap_verification = AdaptiveDraftLength(max_k=4, explore_every=0)
+    assert cheap_verification.best(1) == 4  # nothing timed: as configured
+    cheap_verification.cost.calibrate({1: 0.010, 5: 0.011})
+    assert cheap_verification.best(1) > 0
+    compute_bound = AdaptiveDraftLength(max_k=4, explore_every=0)
+    compute_bound.cost.calibrate({n: 0.010 * n for n in range(1, 6)})  # emulated bf16: K+1 tokens cost K+1 steps
+    assert compute_bound.best(1) == 0

@@ -49,7 +49,7 @@ def test_a_changed_vllm_signature_fails_loudly():
 def test_drafter_maths_imports_no_vllm():
     code = ("import sys; import amphista_kernels, vllm_amphista.configuration_amphista, "
             "vllm_amphista.modeling_amphista, vllm_amphista.checkpoint, vllm_amphista.anpd, vllm_amphista.prompts, "
-            "vllm_amphista.hybrid, vllm_amphista.draft_length; "
+            "vllm_amphista.hybrid, vllm_amphista.draft_length, vllm_amphista.replay, vllm_amphista.cpu_dtype; "
             "print(sorted(name for name in sys.modules if name == 'vllm' or name.startswith('vllm.')))")
     completed = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=VLLM_CPU_TEST_ENV,
                                capture_output=True, text=True, timeout=120)
@@ -119,3 +119,23 @@ def test_greedy_fast_path_equals_vllms_rejection_sampler():
     assert report["batches"] == 80 and report["accepted"] > 100
     assert report["slow"] == 0  # every batch took the fast path
     assert report["mismatches"] == 0
+
+
+def test_bench_imports_in_a_straight_line():
+    """No bench module imports one that imports it back (directly or through others)."""
+    import ast
+
+    bench = REPO_ROOT / "vllm_amphista" / "bench"
+    imports = {}
+    for path in bench.glob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm_amphista.bench."):
+                names.add(node.module.rsplit(".", 1)[1])
+        imports[path.stem] = names
+
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(name == goal or (name not in seen and reaches(name, goal, seen | {name}))
+                   for name in imports.get(start, ()))
+
+    assert not [module for module in imports if reaches(module, module)]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import numpy as np
 import torch
 from conftest import (
     REPO_ROOT,
@@ -32,6 +33,7 @@ from vllm_amphista.train.data import (
     SampleTensors,
     most_frequent_tokens,
     read_token_file,
+    write_answers_shard,
     write_shard,
     write_token_file,
 )
@@ -121,10 +123,21 @@ def test_generate_resumes_and_recomputes_from_tokens(tiny_llama_dir, dataset_dir
                                "--out", str(dataset_dir), "--max-tokens", str(MAX_TOKENS), "--shard-size", "10"])
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"samples": 0, "skipped_shards": 3}
-    # The token ids alone bring back the same tensors.
+    # The token ids alone bring back the same tensors: as JSONL, and as the compact answers shards
+    # the repository commits (uint16, one per dataset shard, written once).
     assert run_train_cli(["export-tokens", "--data", str(dataset_dir), "--out", str(tmp_path / "tokens.jsonl.gz")]
                          ).returncode == 0
-    completed = run_train_cli(["generate", "--target", str(tiny_llama_dir), "--tokens", str(tmp_path / "tokens.jsonl.gz"),
+    assert read_token_file(tmp_path / "tokens.jsonl.gz") == dataset.samples
+    answers = tmp_path / "answers"
+    for _ in range(2):
+        completed = run_train_cli(["export-tokens", "--data", str(dataset_dir), "--out", str(answers)])
+        assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "wrote 0 new answers shards" in completed.stdout
+    assert sorted(path.name for path in answers.iterdir()) == [f"shard_{i:05d}.npz" for i in range(3)]
+    with np.load(answers / "shard_00000.npz") as arrays:
+        assert arrays["output_ids"].dtype == np.uint16
+    assert read_token_file(answers) == dataset.samples
+    completed = run_train_cli(["generate", "--target", str(tiny_llama_dir), "--tokens", str(answers),
                                "--out", str(tmp_path / "recomputed"), "--dtype", "float32", "--enforce-eager",
                                "--max-model-len", "256", "--concurrency", "8"])
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -304,6 +317,16 @@ def test_bad_inputs_give_clear_errors(tiny_llama_dir, dataset_dir, trained_heads
         read_token_file(wrong_samples)
     write_token_file(tmp_path / "ok.jsonl.gz", [Sample([1, 2], [3])])
     assert read_token_file(tmp_path / "ok.jsonl.gz") == [Sample([1, 2], [3])]
+    (tmp_path / "no_answers").mkdir()
+    with pytest.raises(DataError, match="no answers shards"):
+        read_token_file(tmp_path / "no_answers")
+    (tmp_path / "broken_answers").mkdir()
+    (tmp_path / "broken_answers" / "shard_00000.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="not an answers shard"):
+        read_token_file(tmp_path / "broken_answers")
+    # Ids past uint16 are kept whole.
+    write_answers_shard(tmp_path / "broken_answers" / "shard_00000.npz", [Sample([70000, 1], [2, 65536], "a", "c")])
+    assert read_token_file(tmp_path / "broken_answers") == [Sample([70000, 1], [2, 65536], "a", "c")]
 
     wrong_prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"question": "w1"}, {"answer": "w2"}])
     with pytest.raises(DataError, match="record 1 has no field 'question'"):

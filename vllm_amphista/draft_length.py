@@ -15,12 +15,18 @@ confidence head), P_i the chance that drafted position i is accepted
 (product of per-position acceptance), and T(n) the step time for n tokens
 verified. K=0 wins when no draft pays.
 
+T starts from a table timed at engine start-up (the target's forward and
+logits, and the drafter's stages, for 1..K+1 tokens per request at a few
+batch sizes), so the first requests do not pay for exploring an empty table.
+Those timings lack what a real step adds around the model (scheduling,
+sampling, output processing, roughly the same at every size): the first real
+decode step shifts the whole table by the difference at its size. From then on
 T is learned from the engine's own decode steps (seconds per step against
-tokens scheduled, a smoothed table interpolated between measured sizes;
-sizes never measured are extrapolated as if compute bound, which is
-pessimistic), acceptance from the tokens the rejection sampler accepted. To
-keep both current where the best K is not being run, every
-`explore_every`-th choice tries one K away from the best.
+tokens scheduled, a smoothed table interpolated between measured sizes; sizes
+never measured are extrapolated as if compute bound, which is pessimistic),
+acceptance from the tokens the rejection sampler accepted. To keep both
+current where the best K is not being run, every `explore_every`-th choice
+tries one K away from the best.
 
 Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 """
@@ -39,10 +45,30 @@ class StepCost:
         self.smoothing = smoothing
         self._sizes: list[int] = []
         self._seconds: dict[int, float] = {}
+        self._calibrated_only = False  # the table holds start-up timings and no real step yet
+
+    def calibrate(self, seconds_by_size: dict[int, float]) -> None:
+        """Start from model-only timings taken at start-up (tokens -> seconds)."""
+        for num_tokens, seconds in seconds_by_size.items():
+            if num_tokens >= 1 and seconds > 0.0:
+                if num_tokens not in self._seconds:
+                    bisect.insort(self._sizes, num_tokens)
+                self._seconds[num_tokens] = seconds
+        self._calibrated_only = bool(self._sizes)
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self._sizes)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 1 or seconds <= 0.0:
             return
+        if self._calibrated_only:
+            # What the start-up timings lacked (the step around the model), at every size alike.
+            offset = seconds - self.predict(num_tokens)
+            for size in self._sizes:
+                self._seconds[size] = max(self._seconds[size] + offset, 1e-6)
+            self._calibrated_only = False
         previous = self._seconds.get(num_tokens)
         if previous is None:
             bisect.insort(self._sizes, num_tokens)
@@ -122,6 +148,16 @@ class AdaptiveDraftLength:
         # The K in force when the drafts now being verified were proposed, and the K after it.
         self._asked_before = max_k
         self._asked_last = max_k
+
+    def calibration_sizes(self, max_batch_size: int, max_tokens: int) -> list[int]:
+        """Tokens per step worth timing at start-up: 1..K+1 tokens per request at batch sizes
+        1, 2, 4, ... up to max_batch_size (at most 16: larger sizes are extrapolated, then measured)."""
+        sizes = set()
+        batch_size = 1
+        while batch_size <= min(max_batch_size, 16):
+            sizes.update(batch_size * tokens for tokens in range(1, self.max_k + 2))
+            batch_size *= 2
+        return sorted(size for size in sizes if size <= max_tokens)
 
     def best(self, batch_size: int) -> int:
         rates = [self.rate(batch_size, k) for k in range(self.max_k + 1)]

@@ -18,58 +18,15 @@ can differ from the replay's by a little.)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from vllm_amphista.anpd import NgramTables
 from vllm_amphista.assets import SPEC_BENCH_QUESTIONS
-from vllm_amphista.prompts import load_questions
-
-GREEDY_ANSWERS = "greedy_answers.jsonl"
-# The flags that decide the answers: a cache made with others is regenerated.
-ANSWER_SETTINGS = ("target", "questions", "per_category", "max_tokens", "max_model_len", "dtype")
-
-
-def accepted_prefix(draft: list[int], truth: list[int]) -> int:
-    accepted = 0
-    for drafted, actual in zip(draft, truth):
-        if drafted != actual:
-            break
-        accepted += 1
-    return accepted
-
-
-def replay(prompt_ids: list[int], output_ids: list[int], k: int, draft_fn, absorb_fn=None) -> int:
-    """Target steps to produce `output_ids` with a chain drafter.
-
-    draft_fn(context, k) returns the draft; absorb_fn(tokens), if given, is
-    told every token that joins the context (an incremental drafter)."""
-    # The prefill step emits the first token; drafting starts after it.
-    context = list(prompt_ids) + list(output_ids[:1])
-    if absorb_fn is not None:
-        absorb_fn(context)
-    position = steps = min(1, len(output_ids))
-    while position < len(output_ids):
-        # The engine may draft further; tokens past the end would be cut, so the steps are the same.
-        room = min(k, len(output_ids) - position - 1)
-        draft = draft_fn(context, room) if room > 0 else []
-        emitted = output_ids[position: position + accepted_prefix(draft, output_ids[position:]) + 1]
-        context += emitted
-        if absorb_fn is not None:
-            absorb_fn(emitted)
-        position += len(emitted)
-        steps += 1
-    return steps
-
-
-def anpd_steps(prompt_ids: list[int], output_ids: list[int], k: int, max_n: int) -> int:
-    tables = NgramTables(max_n, max_entries=1 << 30)
-    return replay(prompt_ids, output_ids, k, lambda _context, room: tables.draft(room), tables.extend)
-
+from vllm_amphista.bench.greedy_answers import greedy_answers
+from vllm_amphista.replay import anpd_steps, replay, tau_by_category
 
 def vllm_ngram_steps(prompt_ids: list[int], output_ids: list[int], k: int, min_n: int, max_n: int) -> int:
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
@@ -79,38 +36,6 @@ def vllm_ngram_steps(prompt_ids: list[int], output_ids: list[int], k: int, min_n
         return _find_longest_matched_ngram_and_propose_tokens(tokens, min_n, max_n, 1 << 30, room).tolist()
 
     return replay(prompt_ids, output_ids, k, draft)
-
-
-def greedy_answers(args) -> list[dict]:
-    """The target's greedy answers (cached in --out with the settings that made them), one record per question."""
-    path = Path(args.out) / GREEDY_ANSWERS
-    settings_path = path.with_suffix(".settings.json")
-    settings = {name: getattr(args, name) for name in ANSWER_SETTINGS}
-    settings["questions_sha256"] = [hashlib.sha256(Path(q).read_bytes()).hexdigest() for q in args.questions]
-    if path.exists() and settings_path.exists() and json.loads(settings_path.read_text()) == settings:
-        return [json.loads(line) for line in path.read_text().splitlines()]
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-
-    from vllm_amphista.bench.engines import set_engine_env
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    questions, notes = load_questions(args.questions, tokenizer, None, args.per_category,
-                                      args.max_model_len - args.max_tokens)
-    for note in notes:
-        print(note)
-    flat = [(category, question) for category, items in questions.items() for question in items]
-    set_engine_env(kv_cache_gib=4)
-    llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
-    outputs = llm.generate([{"prompt_token_ids": q.prompt_ids} for _, q in flat],
-                           SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
-    records = [{"category": category, "question_id": question.question_id, "prompt_ids": question.prompt_ids,
-                "output_ids": list(output.outputs[0].token_ids)}
-               for (category, question), output in zip(flat, outputs, strict=True)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    settings_path.write_text(json.dumps(settings))
-    return records
 
 
 def drafters(args) -> dict[str, Callable[[list[int], list[int]], int]]:
@@ -144,16 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     records = greedy_answers(args)
     categories = list(dict.fromkeys(record["category"] for record in records))
     rows = drafters(args)
-    taus: dict[str, dict[str, float]] = {}
-    for label, steps_of in rows.items():
-        totals = {category: [0, 0] for category in categories}  # generated tokens, target steps
-        for record in records:
-            steps = steps_of(record["prompt_ids"], record["output_ids"])
-            totals[record["category"]][0] += len(record["output_ids"])
-            totals[record["category"]][1] += steps
-        overall = [sum(t[0] for t in totals.values()), sum(t[1] for t in totals.values())]
-        taus[label] = {category: tokens / steps for category, (tokens, steps) in {**totals, "all": overall}.items()}
-
+    taus = {label: tau_by_category(records, lambda record, steps_of=steps_of: steps_of(record["prompt_ids"],
+                                                                                  record["output_ids"]))
+            for label, steps_of in rows.items()}
     columns = [*categories, "all"]
     counts = {category: sum(record["category"] == category for record in records) for category in categories}
     lines = ["| drafter | " + " | ".join(f"{c} ({counts.get(c, len(records))})" for c in columns) + " |",

@@ -66,7 +66,8 @@ import time
 from pathlib import Path
 
 from vllm_amphista.assets import DEMO_TARGET, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
-from vllm_amphista.bench.engines import EngineFailed, EngineProcess, set_engine_env
+from vllm_amphista.bench.args import ALL_METHODS, parse_methods, positive_int
+from vllm_amphista.bench.engines import ENGINE_CORE_MODES, EngineFailed, EngineProcess, engine_label, set_engine_env
 from vllm_amphista.bench.report import (
     MethodRun,
     all_figures,
@@ -76,10 +77,10 @@ from vllm_amphista.bench.report import (
     write_plots,
 )
 from vllm_amphista.checkpoint import HeadsDirError, read_heads_config
+from vllm_amphista.cpu_dtype import choose_cpu_dtype
 from vllm_amphista.prompts import DataError, Question, load_questions
 from vllm_amphista.vllm.config import DRAFT_LENGTH_MODES, PLUGIN_METHODS
 
-ALL_METHODS = ("vanilla", "ngram", "anpd", "medusa", "eagle", "amphista", "amphista_anpd")
 # Methods that draft with trained weights, and the flag naming their dir.
 HEADS_FLAG = {"amphista": "heads", "amphista_anpd": "heads", "medusa": "medusa_heads", "eagle": "eagle_heads"}
 QUICK = {"per_category": 2, "max_tokens": 32, "repeats": 1, "concurrency": [1]}
@@ -137,7 +138,7 @@ def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Ques
                                dtype=args.dtype, max_model_len=args.max_model_len, concurrency=concurrency,
                                enforce_eager=args.engine == "eager", draft_length=row.draft_length)
             try:
-                engines[row.label] = EngineProcess(engine_args, warmup_prompt_ids)
+                engines[row.label] = EngineProcess(engine_args, warmup_prompt_ids, engine_core=args.engine_core)
                 row.build_seconds = engines[row.label].build_seconds
             except EngineFailed as error:
                 row.not_run = f"failed: {error}"
@@ -186,21 +187,6 @@ def parse_ablation(value: str) -> tuple[str, str]:
     return name, directory
 
 
-def parse_methods(value: str) -> list[str]:
-    methods = [method.strip() for method in value.split(",") if method.strip()]
-    unknown = [method for method in methods if method not in ALL_METHODS]
-    if unknown or not methods:
-        raise argparse.ArgumentTypeError(f"unknown methods {unknown}; choose from {','.join(ALL_METHODS)}")
-    return methods
-
-
-def positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vllm_amphista.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("compiled", "eager"), default="compiled",
                         help="compiled: vLLM's default engine (torch.compile); eager: enforce_eager "
                              "(default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", help="target and drafter dtype (default: %(default)s; "
+    parser.add_argument("--engine-core", choices=ENGINE_CORE_MODES, default="separate",
+                        help="separate: vLLM's default (the engine core in its own process, as `LLM(...)` and "
+                             "`vllm serve` run it); in-process: faster start-up, for quick runs (default: %(default)s)")
+    parser.add_argument("--dtype", default=None, help="target and drafter dtype (default: what this CPU computes "
+                        "fastest, see vllm_amphista/cpu_dtype.py: bfloat16 with native bf16 units, else float32; "
                         "float32 for an exact losslessness check)")
     parser.add_argument("--max-model-len", type=positive_int, default=2048,
                         help="context length of every engine; longer prompts are left out (default: %(default)s)")
@@ -264,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
+    dtype_choice = choose_cpu_dtype()
+    args.dtype = args.dtype or dtype_choice.dtype
     args.medusa_heads = args.medusa_heads or args.target.rstrip("/") + "-medusa"
     set_engine_env(kv_cache_gib=1)  # the engine subprocesses inherit it
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -298,10 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     warnings = lossless_warnings(by_concurrency, prompts, args.dtype)
     report = "\n\n".join([
         "# Speculative decoding benchmark",
-        f"target `{args.target}`, {args.engine} engine, {args.dtype}, K={args.num_speculative_tokens}, "
+        f"target `{args.target}`, {engine_label(args.engine, args.engine_core)}, {args.dtype}, "
+        f"K={args.num_speculative_tokens}, "
         f"max {args.max_tokens} tokens, "
         f"temperature {args.temperature}, {prompts} prompts ({prompts_by_category}), "
-        f"{args.repeats} repeat(s); {os.cpu_count()} CPUs, started {started}. "
+        f"{args.repeats} repeat(s); {os.cpu_count()} CPUs ({dtype_choice.describe()}), started {started}. "
         "Figures are explained in `python -m vllm_amphista.bench --help`.",
         *notes,
         *[concurrency_section(concurrency, rows, figures, questions, greedy)

@@ -20,14 +20,14 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from vllm_amphista.bench.steps import StepTimes
+from vllm_amphista.bench.timers import StepTimers, StepTimes
 
-# In-process engine: starts in seconds instead of a minute on this CPU.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
-
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+# Where the engine core runs: "separate" is vLLM's default (`LLM(...)`, `vllm serve`: the core
+# in its own process, so scheduling and output processing overlap the model's step); "in-process"
+# starts faster and lets timers reach the model runner (tests, the step breakdown).
+ENGINE_CORE_MODES = ("separate", "in-process")
 
 
 def set_engine_env(kv_cache_gib: int = 2) -> None:
@@ -36,14 +36,29 @@ def set_engine_env(kv_cache_gib: int = 2) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
 
 
+def use_engine_core(mode: str) -> None:
+    """Set, for engines built after this in this process, where their engine core runs."""
+    if mode not in ENGINE_CORE_MODES:
+        raise ValueError(f"engine core mode must be one of {ENGINE_CORE_MODES}, got {mode!r}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "separate" else "0"
+
+
+def engine_label(engine: str, engine_core: str) -> str:
+    """How a table names an engine: compilation and where its core ran."""
+    return f"{engine}, {'engine core in its own process' if engine_core == 'separate' else 'in-process engine core'}"
+
+
 def speculative_config(method: str, num_speculative_tokens: int, heads_dir: str | None = None,
                        draft_length: str | None = None) -> dict | None:
     """vLLM's speculative_config for a method name of ours or vLLM's; draft_length ("adaptive" or
-    "fixed") for ours, None for the plugin's default."""
+    "fixed") for ours, None for the plugin's default, or "off" for any method: vLLM's own
+    per-batch-size schedule with K=0 at every size (what drafting off costs)."""
     if method == "vanilla":
         return None
     config = {"method": method, "num_speculative_tokens": num_speculative_tokens}
-    if draft_length is not None:
+    if draft_length == "off":
+        config["num_speculative_tokens_per_batch_size"] = [(1, 1 << 20, 0)]
+    elif draft_length is not None:
         config["draft_length"] = draft_length
     if method == "ngram":
         config.update(prompt_lookup_max=5, prompt_lookup_min=2)
@@ -134,8 +149,8 @@ class RunResult:
 def make_engine(target: str, method: str, num_speculative_tokens: int, heads_dir: str | None, dtype: str,
                 max_model_len: int, concurrency: int = 1, enforce_eager: bool = False,
                 draft_length: str | None = None, **llm_options):
-    """An in-process engine that runs `concurrency` requests at a time, compiled as vLLM's default
-    engine is unless `enforce_eager`; `llm_options` go to vLLM's LLM."""
+    """An engine that runs `concurrency` requests at a time, compiled as vLLM's default engine is
+    unless `enforce_eager`; `llm_options` go to vLLM's LLM."""
     from vllm import LLM
 
     return LLM(
@@ -196,12 +211,12 @@ class EngineFailed(RuntimeError):
     pass
 
 
-def engine_worker(connection, engine_args: dict, warmup_prompt_ids: list[int], time_steps: bool) -> None:
+def engine_worker(connection, engine_args: dict, warmup_prompt_ids: list[int], time_steps: bool,
+                  engine_core: str) -> None:
     """Subprocess body: build one engine, warm it up, then answer run requests until told to stop."""
-    from vllm_amphista.bench.steps import StepTimers
-
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # engine chatter to stderr; stdout is the tables
     try:
+        use_engine_core(engine_core)
         started = time.perf_counter()
         # Off so every repeat does the same prefill work (repeats reuse the same prompts).
         llm = make_engine(**engine_args, enable_prefix_caching=False)
@@ -213,6 +228,8 @@ def engine_worker(connection, engine_args: dict, warmup_prompt_ids: list[int], t
             if timers is not None:
                 result.step_times = timers.take()
             connection.send(("result", result))
+        # Stop a separate engine core now: left to interpreter exit, its shutdown waits out a timeout.
+        llm.llm_engine.engine_core.shutdown()
     except Exception as error:  # reported as a "failed" row; the other methods go on
         traceback.print_exc()
         connection.send(("failed", f"{type(error).__name__}: {error}"))
@@ -221,11 +238,15 @@ def engine_worker(connection, engine_args: dict, warmup_prompt_ids: list[int], t
 class EngineProcess:
     """A vLLM engine living in its own spawned process, driven over a pipe."""
 
-    def __init__(self, engine_args: dict, warmup_prompt_ids: list[int], time_steps: bool = False):
+    def __init__(self, engine_args: dict, warmup_prompt_ids: list[int], time_steps: bool = False,
+                 engine_core: str = "separate"):
+        if time_steps and engine_core != "in-process":
+            raise ValueError("step timers reach into the model runner: they need the in-process engine core")
         context = multiprocessing.get_context("spawn")
         self.connection, child_connection = context.Pipe()
         self.process = context.Process(target=engine_worker,
-                                       args=(child_connection, engine_args, warmup_prompt_ids, time_steps))
+                                       args=(child_connection, engine_args, warmup_prompt_ids, time_steps,
+                                             engine_core))
         self.process.start()
         child_connection.close()
         self.build_seconds = self._reply("ready")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from vllm_amphista.assets import DEMO_TARGET, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.engines import speculative_config
+from vllm_amphista.cpu_dtype import choose_cpu_dtype
 
 METHODS = ("vanilla", "ngram", "anpd", "amphista", "amphista_anpd")
 
@@ -126,11 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=None, help="default: what this CPU computes fastest (cpu_dtype.py)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", default=None, help="dir for the raw results and server logs (default: a temp dir)")
     args = parser.parse_args(argv)
+    dtype_choice = choose_cpu_dtype()
+    args.dtype = args.dtype or dtype_choice.dtype
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_bench_"))
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         "## Serving benchmark",
         f"`vllm serve {args.target}` per method (compiled, multi-process, {args.dtype}, K={args.num_speculative_tokens}"
         f" -- adaptive for the plugin's methods), `vllm bench serve` with {args.num_prompts} Spec-Bench first turns "
-        f"(chat endpoint, greedy, {args.max_tokens} tokens); {os.cpu_count()} CPUs, started {started}.",
+        f"(chat endpoint, greedy, {args.max_tokens} tokens); {os.cpu_count()} CPUs ({dtype_choice.describe()}), "
+        f"started {started}.",
         *[table(results, concurrency) for concurrency in args.concurrency],
     ])
     print(report)

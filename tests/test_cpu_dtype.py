@@ -1,0 +1,42 @@
+"""The dtype chooser and the emulated-bf16 warning text, on given CPU flags (no vLLM)."""
+
+import pytest
+
+from vllm_amphista.cpu_dtype import choose_cpu_dtype, cpu_flags, emulated_bf16_warning, has_native_units
+
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512_BF16 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
+AMX = AVX2_ONLY | {"avx512f", "amx_bf16", "amx_tile"}
+
+
+def test_float32_where_bf16_is_emulated_and_bf16_where_native():
+    choice = choose_cpu_dtype(AVX2_ONLY, environ={})
+    assert choice.dtype == "float32" and "emulated" in choice.reason
+    assert choice.describe().startswith("CPU flags: avx2 -> float32")
+    for flags, native in ((AVX512_BF16, "avx512_bf16"), (AMX, "amx_bf16")):
+        choice = choose_cpu_dtype(flags, environ={})
+        assert choice.dtype == "bfloat16" and native in choice.reason and native in choice.describe()
+
+
+@pytest.mark.parametrize("cap", [{"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ATEN_CPU_CAPABILITY": "avx2"}])
+def test_an_isa_cap_below_avx512_counts_as_emulated(cap):
+    choice = choose_cpu_dtype(AVX512_BF16, environ=cap)
+    assert choice.dtype == "float32" and next(iter(cap)) in choice.reason
+    assert not has_native_units("bfloat16", AVX512_BF16, cap)
+    assert has_native_units("bfloat16", AVX512_BF16, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"})
+
+
+def test_warning_only_for_16_bit_dtypes_the_cpu_emulates():
+    warning = emulated_bf16_warning("amphista", "bfloat16", AVX2_ONLY, environ={})
+    assert "'amphista'" in warning and "float32" in warning and "draft" in warning
+    assert emulated_bf16_warning("anpd", "float16", AVX512_BF16, environ={}) is not None  # no fp16 units
+    assert emulated_bf16_warning("anpd", "float32", AVX2_ONLY, environ={}) is None
+    assert emulated_bf16_warning("anpd", "bfloat16", AVX512_BF16, environ={}) is None
+    assert emulated_bf16_warning("anpd", "float16", AVX2_ONLY | {"avx512_fp16"}, environ={}) is None
+
+
+def test_cpu_flags_reads_the_flags_line(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512_bf16\n\n")
+    assert cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()

@@ -1,0 +1,33 @@
+"""What an engine of ours does at start-up, before the first request: the load-aware draft
+length's step-cost table is timed, and a 16-bit dtype the CPU emulates draws one warning."""
+
+import textwrap
+
+from conftest import report_of, run_python
+
+WARNING_START = "speculative method 'anpd' runs in bfloat16, which this CPU emulates"
+
+
+def test_cost_table_is_timed_at_start_up_and_emulated_bf16_warns_once(tiny_llama_dir):
+    script = textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            llm = LLM(model={str(tiny_llama_dir)!r}, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+                      max_num_seqs=4, speculative_config={{"method": "anpd", "num_speculative_tokens": 3}})
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            controller = scheduler.dynamic_sd_lookup
+            before = {{size: controller.cost.predict(size) for size in controller.cost.sizes}}
+            expected = controller.calibration_sizes(scheduler.max_num_running_reqs,
+                                                    scheduler.max_num_scheduled_tokens)
+            llm.generate([{{"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7, 8]}}], SamplingParams(max_tokens=8))
+            print("REPORT=" + json.dumps({{"before": before, "expected": expected}}))
+    """)
+    # oneDNN capped at AVX2 leaves no bf16 units in use, whatever this machine has.
+    completed = run_python(script, extra_env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    report = report_of(completed)
+    sizes = sorted(int(size) for size in report["before"])
+    assert sizes == report["expected"] == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert all(seconds > 0 for seconds in report["before"].values())
+    assert completed.stderr.count(WARNING_START) == 1, completed.stderr[-3000:]
