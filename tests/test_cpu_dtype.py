@@ -12,7 +12,7 @@ AMX = AVX2_ONLY | {"avx512f", "amx_bf16", "amx_tile"}
 def test_float32_where_bf16_is_emulated_and_bf16_where_native():
     choice = choose_cpu_dtype(AVX2_ONLY, environ={})
     assert choice.dtype == "float32" and "emulated" in choice.reason
-    assert choice.describe().startswith("CPU flags: avx2 -> float32")
+    assert choice.describe().startswith("CPU flags: avx2; fastest dtype here: float32")
     for flags, native in ((AVX512_BF16, "avx512_bf16"), (AMX, "amx_bf16")):
         choice = choose_cpu_dtype(flags, environ={})
         assert choice.dtype == "bfloat16" and native in choice.reason and native in choice.describe()

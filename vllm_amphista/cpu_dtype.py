@@ -65,7 +65,7 @@ class DtypeChoice:
     def describe(self) -> str:
         """One line: the flags, the dtype and why."""
         flags = " ".join(self.flags) or "none of " + "/".join(REPORTED_FLAGS)
-        return f"CPU flags: {flags} -> {self.dtype} ({self.reason})"
+        return f"CPU flags: {flags}; fastest dtype here: {self.dtype} ({self.reason})"
 
 
 def choose_cpu_dtype(flags: frozenset[str] | None = None, environ=None) -> DtypeChoice:

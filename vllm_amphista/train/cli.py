@@ -1,4 +1,4 @@
-"""Command line: python -m vllm_amphista.train {mix,generate,export-tokens,fit,eval} --help
+"""Command line: python -m vllm_amphista.train {mix,generate,features,export-tokens,fit,eval} --help
 
 `fit` and `eval` flags mirror the fields of FitOptions / EvalOptions (one
 flag per field, dashes for underscores; a boolean that defaults to True is
@@ -156,6 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-chat-template", dest="use_chat_template", action="store_false",
                           help="send raw prompts instead of applying the target's chat template")
 
+    features = commands.add_parser(
+        "features", help="rebuild the hidden-state / top-k cache from committed answers (one teacher-forced "
+                         "prefill of the target per sample; resumable), and print tokens/s against the roofline")
+    features.add_argument("--target", required=True, help="target model directory")
+    features.add_argument("--answers", required=True, help="answers directory (data/answers/...) or tokens file")
+    features.add_argument("--out", required=True, help="output dataset directory (resumes where it stopped)")
+    features.add_argument("--hidden-dtype", default="bfloat16", choices=sorted(DTYPES))
+    features.add_argument("--top-k", type=int, default=8)
+    features.add_argument("--max-model-len", type=int, default=1024, help="default: %(default)s")
+    features.add_argument("--concurrency", type=int, default=64, help="requests in flight (default: %(default)s)")
+    features.add_argument("--shard-size", type=int, default=256, help="samples per shard (default: %(default)s)")
+    features.add_argument("--enforce-eager", action="store_true", help="disable vLLM's compilation")
+
     export = commands.add_parser(
         "export-tokens", help="write a dataset's token ids (no tensors): a .jsonl(.gz) file, or a directory of "
                               "compact answers shards (uint16 .npz, one per dataset shard, only the new ones)")
@@ -195,6 +208,33 @@ def run_mix(args: argparse.Namespace) -> None:
     print(f"{'total':40s} {sum(counts.values()):6d}  -> {args.out}")
 
 
+def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token: bool) -> None:
+    """The stage's tokens/s against this machine's float32 matmul throughput, measured now."""
+    from transformers import AutoConfig
+
+    from vllm_amphista.train.throughput import matmul_flops_per_second, roofline_line, target_flops_per_token
+
+    if not totals.get("seconds") or not totals.get("tokens"):
+        return
+    config = AutoConfig.from_pretrained(target).get_text_config()
+    body, with_logits = target_flops_per_token(config, with_logits=False), target_flops_per_token(config)
+    logit_tokens = totals["tokens"] if logits_for_every_token else totals["output_tokens"]
+    flops = totals["tokens"] * body + logit_tokens * (with_logits - body)
+    tokens_per_second = totals["tokens"] / totals["seconds"]
+    print(roofline_line(stage, tokens_per_second, flops / totals["tokens"], matmul_flops_per_second(config)))
+
+
+def run_features(args: argparse.Namespace) -> None:
+    from vllm_amphista.train.data import read_token_file
+
+    totals = generate_module.generate_dataset(
+        args.target, args.out, token_samples=read_token_file(args.answers), dtype="float32",
+        hidden_dtype=args.hidden_dtype, top_k=args.top_k, max_model_len=args.max_model_len,
+        concurrency=args.concurrency, shard_size=args.shard_size, enforce_eager=args.enforce_eager)
+    print(json.dumps(totals))
+    print_roofline("features (prefill with every position's logits)", args.target, totals, True)
+
+
 def run_generate(args: argparse.Namespace) -> None:
     from vllm_amphista.train.data import read_token_file
 
@@ -214,6 +254,7 @@ def run_generate(args: argparse.Namespace) -> None:
                                       str(record.get("category", Path(path).stem)), conversation))
         totals = generate_module.generate_dataset(args.target, args.out, conversations=conversations, **options)
     print(json.dumps(totals))
+    print_roofline("generate (prompts and answers)", args.target, totals, bool(args.tokens))
 
 
 def run_export(args: argparse.Namespace) -> None:
@@ -242,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
             run_mix(args)
         elif args.command == "generate":
             run_generate(args)
+        elif args.command == "features":
+            run_features(args)
         elif args.command == "export-tokens":
             run_export(args)
         elif args.command == "fit":
