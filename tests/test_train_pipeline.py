@@ -137,10 +137,11 @@ def test_generate_resumes_and_recomputes_from_tokens(tiny_llama_dir, dataset_dir
     with np.load(answers / "shard_00000.npz") as arrays:
         assert arrays["output_ids"].dtype == np.uint16
     assert read_token_file(answers) == dataset.samples
-    completed = run_train_cli(["generate", "--target", str(tiny_llama_dir), "--tokens", str(answers),
-                               "--out", str(tmp_path / "recomputed"), "--dtype", "float32", "--enforce-eager",
+    completed = run_train_cli(["features", "--target", str(tiny_llama_dir), "--answers", str(answers),
+                               "--out", str(tmp_path / "recomputed"), "--enforce-eager",
                                "--max-model-len", "256", "--concurrency", "8"])
     assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "% of this machine's float32 GEMM roofline" in completed.stdout
     recomputed = Dataset([tmp_path / "recomputed"])
     assert recomputed.samples == dataset.samples
     for index in range(0, NUM_PROMPTS, 7):

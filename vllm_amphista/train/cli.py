@@ -208,11 +208,21 @@ def run_mix(args: argparse.Namespace) -> None:
     print(f"{'total':40s} {sum(counts.values()):6d}  -> {args.out}")
 
 
-def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token: bool) -> None:
-    """The stage's tokens/s against this machine's float32 matmul throughput, measured now."""
+def measure_roofline(target: str) -> float:
+    """This machine's float32 matmul FLOP/s at the target's shapes, measured before any engine
+    exists in this process (an engine's idle OpenMP threads would slow it)."""
     from transformers import AutoConfig
 
-    from vllm_amphista.train.throughput import matmul_flops_per_second, roofline_line, target_flops_per_token
+    from vllm_amphista.train.throughput import matmul_flops_per_second
+
+    return matmul_flops_per_second(AutoConfig.from_pretrained(target).get_text_config())
+
+
+def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token: bool, roofline: float) -> None:
+    """The stage's tokens/s against the matmul roofline measured in the same command."""
+    from transformers import AutoConfig
+
+    from vllm_amphista.train.throughput import roofline_line, target_flops_per_token
 
     if not totals.get("seconds") or not totals.get("tokens"):
         return
@@ -221,23 +231,25 @@ def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token
     logit_tokens = totals["tokens"] if logits_for_every_token else totals["output_tokens"]
     flops = totals["tokens"] * body + logit_tokens * (with_logits - body)
     tokens_per_second = totals["tokens"] / totals["seconds"]
-    print(roofline_line(stage, tokens_per_second, flops / totals["tokens"], matmul_flops_per_second(config)))
+    print(roofline_line(stage, tokens_per_second, flops / totals["tokens"], roofline))
 
 
 def run_features(args: argparse.Namespace) -> None:
     from vllm_amphista.train.data import read_token_file
 
+    roofline = measure_roofline(args.target)
     totals = generate_module.generate_dataset(
         args.target, args.out, token_samples=read_token_file(args.answers), dtype="float32",
         hidden_dtype=args.hidden_dtype, top_k=args.top_k, max_model_len=args.max_model_len,
         concurrency=args.concurrency, shard_size=args.shard_size, enforce_eager=args.enforce_eager)
     print(json.dumps(totals))
-    print_roofline("features (prefill with every position's logits)", args.target, totals, True)
+    print_roofline("features (prefill with every position's logits)", args.target, totals, True, roofline)
 
 
 def run_generate(args: argparse.Namespace) -> None:
     from vllm_amphista.train.data import read_token_file
 
+    roofline = measure_roofline(args.target)
     options = dict(max_tokens=args.max_tokens, dtype=args.dtype, hidden_dtype=args.hidden_dtype, top_k=args.top_k,
                    max_model_len=args.max_model_len, concurrency=args.concurrency, shard_size=args.shard_size,
                    enforce_eager=args.enforce_eager, use_chat_template=args.use_chat_template, seed=args.seed)
@@ -254,7 +266,7 @@ def run_generate(args: argparse.Namespace) -> None:
                                       str(record.get("category", Path(path).stem)), conversation))
         totals = generate_module.generate_dataset(args.target, args.out, conversations=conversations, **options)
     print(json.dumps(totals))
-    print_roofline("generate (prompts and answers)", args.target, totals, bool(args.tokens))
+    print_roofline("generate (prompts and answers)", args.target, totals, bool(args.tokens), roofline)
 
 
 def run_export(args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """How close a pipeline stage runs to this machine's GEMM roofline.
 
 A stage's FLOP/s is its tokens/s times the target's FLOPs per token; the roofline is
-what torch's matmul reaches here at the target's own shapes, measured in the same
+what a float32 GEMM reaches here at the target's own shapes, measured in the same
 command (so the ratio holds on any CPU, whatever its ISA).
 """
 
@@ -23,22 +23,35 @@ def target_flops_per_token(config: PretrainedConfig, with_logits: bool = True) -
     return 2.0 * (layers * per_layer + (hidden * config.vocab_size if with_logits else 0))
 
 
-def matmul_flops_per_second(config: PretrainedConfig, tokens: int = 512, dtype: torch.dtype = torch.float32,
-                            seconds: float = 2.0) -> float:
-    """torch's matmul throughput here at the target's MLP shapes ([tokens, H] x [H, I])."""
-    hidden, intermediate = config.hidden_size, config.intermediate_size
-    activations = torch.randn(tokens, hidden, dtype=dtype)
-    weight = torch.randn(hidden, intermediate, dtype=dtype)
-    torch.matmul(activations, weight)  # warm-up
+def _flops_per_second(run, flops: float, seconds: float) -> float:
+    run()  # warm-up
     runs, started = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - started) < seconds:
-        torch.matmul(activations, weight)
+        run()
         runs += 1
-    return 2.0 * tokens * hidden * intermediate * runs / elapsed
+    return flops * runs / elapsed
+
+
+def matmul_flops_per_second(config: PretrainedConfig, tokens: int = 512, seconds: float = 1.5) -> float:
+    """float32 GEMM throughput here at the target's MLP shapes ([tokens, H] x [H, I]): the better
+    of torch.matmul (MKL's sgemm, which takes slow paths on some AMD CPUs) and a oneDNN linear
+    (the library vLLM-CPU's linears call), where torch was built with oneDNN."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    activations = torch.randn(tokens, hidden)
+    linear = torch.nn.Linear(hidden, intermediate, bias=False)
+    flops = 2.0 * tokens * hidden * intermediate
+    with torch.no_grad():
+        best = _flops_per_second(lambda: torch.matmul(activations, linear.weight.t()), flops, seconds)
+        if torch.backends.mkldnn.is_available():
+            from torch.utils import mkldnn
+
+            onednn_linear, onednn_activations = mkldnn.to_mkldnn(linear), activations.to_mkldnn()
+            best = max(best, _flops_per_second(lambda: onednn_linear(onednn_activations), flops, seconds))
+    return best
 
 
 def roofline_line(stage: str, tokens_per_second: float, flops_per_token: float, roofline: float) -> str:
     achieved = tokens_per_second * flops_per_token
     return (f"{stage}: {tokens_per_second:.0f} tokens/s x {flops_per_token / 1e6:.0f} MFLOP/token = "
-            f"{achieved / 1e9:.1f} GFLOP/s, {100 * achieved / roofline:.0f}% of this machine's float32 matmul "
-            f"roofline ({roofline / 1e9:.1f} GFLOP/s at the target's shapes, {torch.get_num_threads()} threads)")
+            f"{achieved / 1e9:.1f} GFLOP/s, {100 * achieved / roofline:.0f}% of this machine's float32 "
+            f"GEMM roofline ({roofline / 1e9:.1f} GFLOP/s at the target's shapes, {torch.get_num_threads()} threads)")
