@@ -52,3 +52,26 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
     for plot in ("acceptance_by_position.png", "speedup_by_category.png"):
         assert (out / plot).read_bytes().startswith(PNG_SIGNATURE)
     assert (out / "results.md").read_text().strip() in completed.stdout
+
+
+def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_dir, tmp_path):
+    """`bench.steps --draft-length off`: speculation configured, K=0 at every step (tau exactly 1),
+    and the drafter's weight-read floor printed for Amphista."""
+    command = [
+        sys.executable, "-m", "vllm_amphista.bench.steps", "--target", str(tiny_llama_dir),
+        "--heads", str(random_heads_dir), "--methods", "vanilla,anpd,amphista", "--engines", "eager",
+        "--draft-length", "off", "--repeats", "1", "--max-tokens", "8", "--dtype", "float32",
+        "--max-model-len", "256", "--categories", ",".join(CATEGORIES),
+        "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")),
+    ]
+    completed = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV},
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[1:-1]]
+            for line in completed.stdout.splitlines() if line.startswith("| ") and "eager" in line}
+    assert set(rows) == {"vanilla", "anpd", "amphista"}
+    for cells in rows.values():
+        assert cells[-2] == "1.00"  # tau: nothing was ever drafted
+    assert rows["amphista"][-4] != "-" and rows["amphista"][-3].endswith("x")  # drafter floor and ratio
+    assert rows["anpd"][-4] == "-"
+    assert "drafter floor: the heads' weights are" in completed.stdout

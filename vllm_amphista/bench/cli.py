@@ -10,6 +10,9 @@ heads). A method whose heads dir is missing is skipped, and says why.
 
 How it runs
 - The target's chat template wraps each question's first turn.
+- Each engine is vLLM's default engine, its engine core in a process of its own
+  (as `LLM(...)` and `vllm serve` run it), unless `--engine-core in-process`
+  (faster start-up; every table names which ran).
 - One engine per (method, concurrency), each in its own subprocess: vLLM keeps
   global state, and building several engines one after another in one
   process failed after a few (a kernel re-registration error on the CPU

@@ -17,6 +17,11 @@ timers wrapped around the model runner's parts record every engine step:
 - input prep: state update, input and attention-metadata preparation;
 - other: the rest of the engine step (scheduler, bookkeeping, output processing).
 
+For Amphista rows, "drafter floor" is what reading the heads' weights once
+costs at the plain step's pace: (heads' weights / target's weights) x the plain
+step in the same engine mode and run; "drafter / floor" is the drafter's time
+over it. (Heads that share the target's lm_head also read that: not counted.)
+
 Only decode steps count (a step that admits a new request is its prefill).
 The timers read wall-clock time around Python calls, so what runs inside a
 part (compiled code included) is attributed to it; they add a few
@@ -27,9 +32,11 @@ computes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
+from pathlib import Path
 
 from vllm_amphista.assets import DEMO_TARGET, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.args import parse_methods, positive_int
@@ -105,17 +112,41 @@ def main(argv: list[str] | None = None) -> None:
     body = []
     plain = {engine: _median_ms(runs["vanilla", engine])["total"] for engine in args.engines
              if ("vanilla", engine) in runs}
+    # The drafter's weights against the target's: reading them once is its floor, at the plain step's pace.
+    drafter_share = weight_count(args.heads) / weight_count(args.target)
     for method, engine in rows:
         ms = _median_ms(runs[method, engine])
         tau = statistics.median(result.tau for result in runs[method, engine])
         cost = f"{ms['total'] / plain[engine]:.2f}x" if engine in plain else "-"
+        floor = drafter_share * plain[engine] if engine in plain and method.startswith("amphista") else None
         body.append([method, engine, f"{ms['total']:.2f}", cost, *(f"{ms[part]:.2f}" for part in PARTS),
-                     f"{ms['drafter'] + ms['drafter glue']:.2f}", f"{tau:.2f}",
-                     str(runs[method, engine][0].step_times.steps)])
+                     f"{ms['drafter'] + ms['drafter glue']:.2f}",
+                     "-" if floor is None else f"{floor:.2f}",
+                     "-" if floor is None else f"{ms['drafter'] / floor:.2f}x",
+                     f"{tau:.2f}", str(runs[method, engine][0].step_times.steps)])
     print(f"ms per decode step (median of {args.repeats} runs; {len(prompts)} prompts, {args.max_tokens} tokens, "
           f"concurrency 1, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for the plugin's "
           f"methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
-    print(markdown_table(["method", "engine", "step", "vs plain", *PARTS, "drafter + glue", "tau", "steps"], body))
+    print(f"drafter floor: the heads' weights are {100 * drafter_share:.1f}% of the target's, so reading them "
+          "once costs that share of a plain step (same engine, same run)\n")
+    print(markdown_table(["method", "engine", "step", "vs plain", *PARTS, "drafter + glue", "drafter floor",
+                          "drafter / floor", "tau", "steps"], body))
+
+
+def weight_count(model_dir: str) -> int:
+    """Floating-point weights in a model dir's safetensors files (tied weights are stored once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as tensors:
+            for name in tensors.keys():
+                piece = tensors.get_slice(name)
+                if piece.get_dtype().startswith(("F", "BF")):
+                    total += math.prod(piece.get_shape())
+    if not total:
+        raise FileNotFoundError(f"no floating-point safetensors weights in {model_dir}")
+    return total
 
 
 def _median_ms(results) -> dict[str, float]:

