@@ -75,3 +75,17 @@ def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_di
     assert rows["amphista"][-4] != "-" and rows["amphista"][-3].endswith("x")  # drafter floor and ratio
     assert rows["anpd"][-4] == "-"
     assert "drafter floor: the heads' weights are" in completed.stdout
+
+
+def test_drafter_profile_groups_the_drafters_ops(tiny_llama_dir, random_heads_dir, tmp_path):
+    command = [
+        sys.executable, "-m", "vllm_amphista.bench.drafter_profile", "--target", str(tiny_llama_dir),
+        "--heads", str(random_heads_dir), "--batch", "2", "--max-tokens", "12", "--dtype", "float32",
+        "--max-model-len", "256", "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")),
+    ]
+    completed = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV},
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    assert "### batch 2:" in completed.stdout and "calls profiled" in completed.stdout
+    groups = {line.split("|")[1].strip() for line in completed.stdout.splitlines() if line.startswith("| ")}
+    assert {"GEMM", "attention and KV writes"} <= groups  # the stage layers ran under the profiler
