@@ -190,9 +190,11 @@ class AmphistaDrafterForVLLM(nn.Module):
             return self.lm_head(head_features)
         return self.logits_processor(self.lm_head, head_features)
 
-    def draft(self, stage_outputs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, stage_outputs: torch.Tensor, num_tokens: int,
+              with_confidence: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, 2H] stage outputs at each request's last position -> ([B, num_tokens] draft token ids,
-        [B, num_tokens] each head's probability of its own draft).
+        [B, num_tokens] each head's probability of its own draft, or None without `with_confidence`:
+        the softmax's logsumexp over the draft vocabulary is then skipped).
 
         All K heads run (the encoder is bi-directional among them, as trained);
         the first `num_tokens` heads' greedy tokens form the chain.
@@ -203,10 +205,12 @@ class AmphistaDrafterForVLLM(nn.Module):
         # fp32: the argmax of bf16 logits is several times slower on CPU, and the softmax needs it.
         logits = self.compute_logits(heads.reshape(batch * num_tokens, -1)).float()
         best, token_ids = logits.max(dim=-1)
-        confidence = torch.exp(best - torch.logsumexp(logits, dim=-1))
+        confidence = None
+        if with_confidence:
+            confidence = torch.exp(best - torch.logsumexp(logits, dim=-1)).view(batch, num_tokens)
         if self.draft_to_target is not None:
             token_ids = self.draft_to_target[token_ids]
-        return token_ids.view(batch, num_tokens), confidence.view(batch, num_tokens)
+        return token_ids.view(batch, num_tokens), confidence
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
@@ -251,7 +255,8 @@ class AmphistaProposer(EagleProposer):
                                 and not vllm_config.scheduler_config.async_scheduling)
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
-        token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
+        token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args,
+                                                           with_confidence=self.truncate_drafts, **kwargs)
         if not self.truncate_drafts:
             return token_ids
         lengths = (confidence.cumprod(dim=1) >= MIN_DRAFT_CONFIDENCE).sum(dim=1).tolist()
@@ -270,8 +275,10 @@ class AmphistaProposer(EagleProposer):
         mm_embed_inputs=None,
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, K] draft token ids, [B, K] each head's probability of its own token)."""
+        with_confidence: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, K] draft token ids, [B, K] each head's probability of its own token, or None
+        without `with_confidence`)."""
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         # The first pass of SpecDecodeBaseProposer.propose: the stages see every
@@ -302,8 +309,8 @@ class AmphistaProposer(EagleProposer):
         last_positions = stage_outputs[token_indices_to_sample]
         if num_speculative_tokens == 0:  # dynamic speculation chose K=0; the KV above stays in sync
             empty = last_positions.new_empty(last_positions.shape[0], 0)
-            return empty.long(), empty.float()
-        return self.model.draft(last_positions, num_speculative_tokens)
+            return empty.long(), empty.float() if with_confidence else None
+        return self.model.draft(last_positions, num_speculative_tokens, with_confidence)
 
     def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
         super().dummy_run(num_tokens, *args, **kwargs)
