@@ -75,8 +75,8 @@ def recorded_forward(input_ids, positions, hidden_states, inputs_embeds=None):
     calls.append(("stages", input_ids.clone(), positions.clone(), hidden_states.clone(), out.clone()))
     return out
 
-def recorded_draft(stage_outputs, num_tokens):
-    token_ids, confidence = draft(stage_outputs, num_tokens)
+def recorded_draft(stage_outputs, num_tokens, *options):
+    token_ids, confidence = draft(stage_outputs, num_tokens, *options)
     calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
     return token_ids, confidence
 
