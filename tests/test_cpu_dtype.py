@@ -10,17 +10,18 @@ AMX = AVX2_ONLY | {"avx512f", "amx_bf16", "amx_tile"}
 
 
 def test_float32_where_bf16_is_emulated_and_bf16_where_native():
-    choice = choose_cpu_dtype(AVX2_ONLY, environ={})
+    assert choose_cpu_dtype(AVX2_ONLY, environ={}, on_gpu=True).dtype == "bfloat16"
+    choice = choose_cpu_dtype(AVX2_ONLY, environ={}, on_gpu=False)
     assert choice.dtype == "float32" and "emulated" in choice.reason
     assert choice.describe().startswith("CPU flags: avx2; fastest dtype here: float32")
     for flags, native in ((AVX512_BF16, "avx512_bf16"), (AMX, "amx_bf16")):
-        choice = choose_cpu_dtype(flags, environ={})
+        choice = choose_cpu_dtype(flags, environ={}, on_gpu=False)
         assert choice.dtype == "bfloat16" and native in choice.reason and native in choice.describe()
 
 
 @pytest.mark.parametrize("cap", [{"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ATEN_CPU_CAPABILITY": "avx2"}])
 def test_an_isa_cap_below_avx512_counts_as_emulated(cap):
-    choice = choose_cpu_dtype(AVX512_BF16, environ=cap)
+    choice = choose_cpu_dtype(AVX512_BF16, environ=cap, on_gpu=False)
     assert choice.dtype == "float32" and next(iter(cap)) in choice.reason
     assert not has_native_units("bfloat16", AVX512_BF16, cap)
     assert has_native_units("bfloat16", AVX512_BF16, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"})

@@ -68,11 +68,19 @@ class DtypeChoice:
         return f"CPU flags: {flags}; fastest dtype here: {self.dtype} ({self.reason})"
 
 
-def choose_cpu_dtype(flags: frozenset[str] | None = None, environ=None) -> DtypeChoice:
-    """bfloat16 where the CPU has bf16 units, float32 where bf16 would be emulated."""
+def choose_cpu_dtype(flags: frozenset[str] | None = None, environ=None,
+                     on_gpu: bool | None = None) -> DtypeChoice:
+    """bfloat16 where the CPU has bf16 units, float32 where bf16 would be emulated; bfloat16 (vLLM's
+    default) where the model runs on a CUDA GPU (`on_gpu` defaults to whether torch sees one)."""
     flags = cpu_flags() if flags is None else flags
     environ = os.environ if environ is None else environ
     reported = tuple(flag for flag in REPORTED_FLAGS if flag in flags)
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        return DtypeChoice("bfloat16", "a CUDA GPU runs the model: vLLM's default", reported)
     native = [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
     cap = _capped_below_avx512(environ)
     if native and cap is None:
@@ -90,6 +98,6 @@ def emulated_bf16_warning(method: str, dtype: str, flags: frozenset[str] | None 
     if dtype not in NATIVE_FLAGS or has_native_units(dtype, flags, environ):
         return None
     return (f"speculative method {method!r} runs in {dtype}, which this CPU emulates "
-            f"({choose_cpu_dtype(flags, environ).describe()}): every matmul is emulated and compute bound, so "
+            f"({choose_cpu_dtype(flags, environ, on_gpu=False).describe()}): every matmul is emulated and compute bound, so "
             f"verifying K+1 tokens costs nearly K+1 plain steps and the load-aware draft length will mostly "
             f"turn drafting off. Run with dtype='float32' (--dtype float32) for speculation to pay here.")
