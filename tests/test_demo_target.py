@@ -13,6 +13,8 @@ import pytest
 
 from conftest import REPO_ROOT, run_engine
 
+from vllm_amphista.cpu_dtype import choose_cpu_dtype
+
 TARGET = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 SPEC_BENCH = REPO_ROOT.parent / "shared" / "data" / "eval" / "spec_bench_question.jsonl"
 MT_BENCH = REPO_ROOT.parent / "shared" / "data" / "eval" / "mt_bench_question.jsonl"
@@ -165,8 +167,10 @@ def test_shipped_heads_mean_accepted_length_on_mt_bench(tokenizer):
     from vllm_amphista.assets import SHIPPED_HEADS
 
     requests = chat_requests(tokenizer, first_turns(MT_BENCH, per_category=2), max_tokens=128)
-    spec = run_engine(TARGET, requests, {"method": "amphista", "model": SHIPPED_HEADS, "num_speculative_tokens": 4},
-                      dtype="bfloat16", max_model_len=2048, timeout=1800)
+    # K fixed and this CPU's own dtype: the load-aware length would stop drafting where bf16 is emulated.
+    spec = run_engine(TARGET, requests, {"method": "amphista", "model": SHIPPED_HEADS, "num_speculative_tokens": 4,
+                                         "draft_length": "fixed"},
+                      dtype=choose_cpu_dtype().dtype, max_model_len=2048, timeout=1800)
     tau = sum(len(ids) for ids in spec["token_ids"]) / sum(spec["target_steps"])
     assert tau > 1.5, tau
 
@@ -180,8 +184,9 @@ def test_anpd_replay_predicts_the_engines_steps(tokenizer):
     from vllm_amphista.replay import anpd_steps
 
     requests = chat_requests(tokenizer, first_turns(SPEC_BENCH, per_category=1), max_tokens=128)
-    spec = run_engine(TARGET, requests, {"method": "anpd", "num_speculative_tokens": 4},
-                      dtype="bfloat16", max_model_len=2048, timeout=1800)
+    # The replay drafts K=4 every step: the engine must too, whatever this CPU's step costs.
+    spec = run_engine(TARGET, requests, {"method": "anpd", "num_speculative_tokens": 4, "draft_length": "fixed"},
+                      dtype=choose_cpu_dtype().dtype, max_model_len=2048, timeout=1800)
     replay_steps = [anpd_steps(request["prompt_token_ids"], output, 4, ANPD_DEFAULT_MAX_CONTEXT + 1)
                     for request, output in zip(requests, spec["token_ids"])]
     assert sum(spec["target_steps"]) < sum(len(ids) for ids in spec["token_ids"])  # drafts were accepted

@@ -4,8 +4,10 @@ Medusa / EAGLE exports loading in vLLM."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import numpy as np
@@ -76,8 +78,8 @@ def dataset_dir(tiny_llama_dir, prompts_path, tmp_path_factory):
 
 
 def options(tiny_llama_dir, dataset_dir, out, **overrides) -> FitOptions:
-    fields = dict(target=str(tiny_llama_dir), data=[str(dataset_dir)], out=str(out), batch_tokens=256,
-                  row_tokens=128, eval_fraction=0.1, eval_every=1000, lr=3e-3, threads=1)
+    fields = dict(target=str(tiny_llama_dir), data=[str(dataset_dir)], out=str(out), state_dir=f"{out}-state",
+                  batch_tokens=256, row_tokens=128, eval_fraction=0.1, eval_every=1000, lr=3e-3, threads=1)
     fields.update(overrides)
     return FitOptions(**fields)
 
@@ -89,7 +91,7 @@ def trained_heads(tiny_llama_dir, dataset_dir, tmp_path_factory):
     for method in ("amphista", "medusa", "eagle"):
         main(["fit", "--method", method, "--target", str(tiny_llama_dir), "--data", str(dataset_dir),
               "--out", str(root / method), "--max-steps", "3", "--batch-tokens", "256", "--row-tokens", "128",
-              "--num-heads", "3", "--draft-vocab-size", "200", "--threads", "1"])
+              "--num-heads", "3", "--draft-vocab-size", "200", "--threads", "1", "--state-dir", str(root / "state")])
     return {method: root / method for method in ("amphista", "medusa", "eagle")}
 
 
@@ -224,7 +226,7 @@ def test_fit_lowers_the_loss(tiny_llama_dir, dataset_dir, tmp_path, objective):
     assert sum(last) / per_epoch < 0.8 * sum(first) / per_epoch
     drafter = AmphistaDrafter.from_pretrained(tmp_path)
     assert drafter.config.num_draft_heads == 4
-    metrics = json.loads((tmp_path / "training" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path.parent / f"{tmp_path.name}-state" / "metrics.json").read_text())
     assert metrics["steps"] == result.steps and len(metrics["evals"][-1]["top1"]) == 4
     assert metrics["trained_tokens"] > 0 and metrics["train_tokens_per_second"] > 0
 
@@ -233,12 +235,44 @@ def test_max_minutes_then_resume_continues_the_same_run(tiny_llama_dir, dataset_
     straight = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "straight", max_steps=5))
     stopped = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "resumed", max_steps=5, max_minutes=0))
     assert stopped.stopped_early and stopped.steps == 1
-    resumed = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "resumed", max_steps=5, resume=True))
+    resumed = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "resumed", max_steps=5,
+                          resume=str(tmp_path / "resumed-state")))
     assert resumed.steps == 5 and len(resumed.train_losses) == 5
     assert resumed.train_losses == pytest.approx(straight.train_losses, rel=1e-4)
     straight_weights = load_file(tmp_path / "straight" / "model.safetensors")
     for name, tensor in load_file(tmp_path / "resumed" / "model.safetensors").items():
         assert torch.allclose(tensor.float(), straight_weights[name].float(), atol=1e-2), name
+
+
+def test_sigterm_saves_the_run_and_resume_finishes_it_as_if_never_stopped(tiny_llama_dir, dataset_dir, tmp_path):
+    total = 150
+    # float32: bf16 kernels may round differently in another process, and this is about resuming.
+    straight = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "straight", max_steps=total, precision="float32"))
+    state = tmp_path / "killed-state"
+    # Checkpoints after every step, so the first one tells that training has begun.
+    command = [sys.executable, "-m", "vllm_amphista.train", "fit", "--target", str(tiny_llama_dir),
+               "--data", str(dataset_dir), "--out", str(tmp_path / "killed"), "--state-dir", str(state),
+               "--max-steps", str(total), "--batch-tokens", "256", "--row-tokens", "128", "--eval-fraction", "0.1",
+               "--eval-every", "1000", "--lr", "3e-3", "--threads", "1", "--checkpoint-minutes", "0",
+               "--precision", "float32"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (state / "state.pt").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "SIGTERM at step" in stdout and f"--resume {state}" in stdout, stdout[-2000:]
+    stopped_at = json.loads((state / "metrics.json").read_text())["steps"]
+    assert 1 <= stopped_at < total
+    resumed = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "killed", max_steps=total, resume=str(state),
+                          precision="float32"))
+    assert resumed.steps == total and len(resumed.train_losses) == total
+    # Same batches in the same order after the stop (none repeated, none skipped), same optimizer state.
+    assert resumed.train_losses == pytest.approx(straight.train_losses, rel=1e-4)
+    with pytest.raises(FileNotFoundError, match="no state.pt"):
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path / "x", max_steps=2, resume=str(tmp_path / "nothing")))
 
 
 def test_draft_vocabulary_is_the_most_frequent_outputs(tiny_llama_dir, dataset_dir, tmp_path):

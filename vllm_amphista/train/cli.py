@@ -16,11 +16,13 @@ import types
 import typing
 from pathlib import Path
 
+import torch
+
 from vllm_amphista.prompts import load_conversations, read_records
 from vllm_amphista.train import generate as generate_module
 from vllm_amphista.train import prompt_mix
 from vllm_amphista.train.evaluate import EvalOptions, evaluate
-from vllm_amphista.train.fit import FitOptions, fit
+from vllm_amphista.train.fit import PRECISIONS, FitOptions, fit
 from vllm_amphista.train.batch import OBJECTIVES
 from vllm_amphista.train.generate import DTYPES
 from vllm_amphista.train.methods import METHODS
@@ -55,10 +57,11 @@ FIT_HELP = {
     "warmup_ratio": "fraction of steps of linear warmup before the cosine decay",
     "grad_clip": "gradient-norm clip",
     "seed": "seed for the eval split, batch order and initialisation",
-    "bf16_autocast": "bfloat16 autocast for the drafter's matmuls (pays on GPUs and CPUs with bf16 units)",
+    "precision": "auto: bfloat16 autocast on a GPU or a CPU with bf16 units, float32 elsewhere",
     "eval_every": "steps between held-out accuracy evals",
-    "checkpoint_every": "steps between resumable checkpoints (training/state.pt)",
-    "resume": "continue from OUT/training/state.pt when present",
+    "checkpoint_minutes": "minutes between resumable checkpoints (also written on SIGTERM/SIGINT)",
+    "state_dir": "where the resumable state and metrics.json go (default: .cache/fit/<name of --out>)",
+    "resume": "continue the run whose state directory this is",
     "max_minutes": "stop (saving everything) after this many minutes",
     "save_dtype": "dtype of the saved drafter weights",
     "device": "torch device to train on (cpu, cuda)",
@@ -80,7 +83,7 @@ EVAL_HELP = {
     "row_tokens": FIT_HELP["row_tokens"],
     "eagle_steps": "chained steps to evaluate for EAGLE heads",
 }
-CHOICES = {"method": METHODS, "objective": OBJECTIVES,
+CHOICES = {"method": METHODS, "objective": OBJECTIVES, "precision": PRECISIONS,
            **{name: sorted(DTYPES) for name in ("save_dtype", "generation_dtype")}}
 
 
@@ -152,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--concurrency", type=int, default=256, help="requests in flight (default: %(default)s)")
     generate.add_argument("--shard-size", type=int, default=512, help="samples per shard (default: %(default)s)")
     generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--skip-answered", metavar="ANSWERS_DIR",
+                          help="skip the shards this answers directory (`export-tokens`) already holds")
     generate.add_argument("--enforce-eager", action="store_true", help="disable vLLM's compilation")
     generate.add_argument("--no-chat-template", dest="use_chat_template", action="store_false",
                           help="send raw prompts instead of applying the target's chat template")
@@ -208,14 +213,14 @@ def run_mix(args: argparse.Namespace) -> None:
     print(f"{'total':40s} {sum(counts.values()):6d}  -> {args.out}")
 
 
-def measure_roofline(target: str) -> float:
-    """This machine's float32 matmul FLOP/s at the target's shapes, measured before any engine
+def measure_roofline(target: str, dtype: torch.dtype = torch.float32) -> float:
+    """This machine's matmul FLOP/s in `dtype` at the target's shapes, measured before any engine
     exists in this process (an engine's idle OpenMP threads would slow it)."""
     from transformers import AutoConfig
 
     from vllm_amphista.train.throughput import matmul_flops_per_second
 
-    return matmul_flops_per_second(AutoConfig.from_pretrained(target).get_text_config())
+    return matmul_flops_per_second(AutoConfig.from_pretrained(target).get_text_config(), dtype=dtype)
 
 
 def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token: bool, roofline: float) -> None:
@@ -252,7 +257,8 @@ def run_generate(args: argparse.Namespace) -> None:
     roofline = measure_roofline(args.target)
     options = dict(max_tokens=args.max_tokens, dtype=args.dtype, hidden_dtype=args.hidden_dtype, top_k=args.top_k,
                    max_model_len=args.max_model_len, concurrency=args.concurrency, shard_size=args.shard_size,
-                   enforce_eager=args.enforce_eager, use_chat_template=args.use_chat_template, seed=args.seed)
+                   enforce_eager=args.enforce_eager, use_chat_template=args.use_chat_template, seed=args.seed,
+                   answered=args.skip_answered)
     if args.tokens:
         totals = generate_module.generate_dataset(args.target, args.out, token_samples=read_token_file(args.tokens),
                                                   **options)
@@ -267,6 +273,22 @@ def run_generate(args: argparse.Namespace) -> None:
         totals = generate_module.generate_dataset(args.target, args.out, conversations=conversations, **options)
     print(json.dumps(totals))
     print_roofline("generate (prompts and answers)", args.target, totals, bool(args.tokens), roofline)
+
+
+def run_fit(options: FitOptions) -> None:
+    from vllm_amphista.train.fit import autocast_dtype
+
+    options.validate()
+    precision = autocast_dtype(options) or torch.float32
+    roofline = measure_roofline(options.target, precision) if options.device == "cpu" else None
+    result = fit(options)
+    print(f"trained {result.steps} steps in {result.seconds:.0f} s ({result.tokens_per_second:.0f} training "
+          f"tokens/s, {result.precision}); drafter saved to {options.out}")
+    if roofline and result.flops_per_token:
+        from vllm_amphista.train.throughput import roofline_line
+
+        print(roofline_line(f"fit {options.method} (forward + backward, {result.precision})",
+                            result.tokens_per_second, result.flops_per_token, roofline, result.precision))
 
 
 def run_export(args: argparse.Namespace) -> None:
@@ -300,9 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "export-tokens":
             run_export(args)
         elif args.command == "fit":
-            result = fit(FitOptions(**options))
-            print(f"trained {result.steps} steps in {result.seconds:.0f} s ({result.tokens_per_second:.0f} training "
-                  f"tokens/s); drafter saved to {args.out}")
+            run_fit(FitOptions(**options))
         else:
             evaluate(EvalOptions(**options))
     except (ValueError, FileNotFoundError) as error:  # DataError is a ValueError

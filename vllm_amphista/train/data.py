@@ -212,6 +212,11 @@ def complete_shards(directory: str | os.PathLike) -> list[int]:
                   if path.with_suffix(".safetensors").is_file())
 
 
+def answered_shards(answers_dir: str | os.PathLike) -> list[int]:
+    """Indices of the answers shards a directory holds (written whole, so present means complete)."""
+    return sorted(int(path.stem.removeprefix("shard_")) for path in Path(answers_dir).glob(ANSWERS_GLOB))
+
+
 class Dataset:
     """The samples of one or more dataset directories, with their tensors read on demand."""
 

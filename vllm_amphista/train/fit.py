@@ -8,9 +8,15 @@ target's token (`--objective hard`) or with its top-k distribution
 (`--objective distill`); EAGLE adds its feature regression (see ``eagle.py``).
 
 Output directory: the drafter in its inference format (config.json +
-model.safetensors, loadable by vLLM / the Amphista plugin) and ``training/``
-with the resumable state (``state.pt``) and ``metrics.json``. Progress shows
-the training tokens per second (real, not padded, tokens).
+model.safetensors, loadable by vLLM / the Amphista plugin). The resumable state
+(``state.pt``: weights, optimizer, scheduler, step, losses, RNG) and
+``metrics.json`` live in a state directory (default ``.cache/fit/<out name>``,
+never committed), written every ``--checkpoint-minutes`` and when the process
+gets SIGTERM or SIGINT; ``--resume DIR`` continues from it. The batch order
+is a function of (seed, epoch), so a resumed run visits the same batches as an
+uninterrupted one, none twice in an epoch. Progress shows the training tokens
+per second (real, not padded, tokens) and, at the end, that rate against this
+machine's GEMM roofline in the training dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_amphista.cpu_dtype import has_native_units
 from vllm_amphista.prompts import DataError
 from vllm_amphista.train.amphista import AmphistaMethod
 from vllm_amphista.train.batch import OBJECTIVES, build_batch, make_batches
@@ -39,6 +47,9 @@ from vllm_amphista.train.target import load_target
 
 STATE_NAME = "state.pt"
 METRICS_NAME = "metrics.json"
+# auto: bf16 autocast on a GPU or a CPU with bf16 units (cpu_dtype), float32 elsewhere.
+PRECISIONS = ("auto", "bfloat16", "float32")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass
@@ -76,11 +87,12 @@ class FitOptions:
     warmup_ratio: float = 0.03
     grad_clip: float = 1.0
     seed: int = 0
-    bf16_autocast: bool = False
+    precision: str = "auto"
     # Bookkeeping
     eval_every: int = 500
-    checkpoint_every: int = 200
-    resume: bool = False
+    checkpoint_minutes: float = 10.0
+    state_dir: str | None = None
+    resume: str | None = None
     max_minutes: float | None = None
     save_dtype: str = "bfloat16"
     device: str = "cpu"
@@ -102,6 +114,8 @@ class FitOptions:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.save_dtype not in DTYPES:
             raise ValueError(f"--save-dtype must be one of {sorted(DTYPES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.batch_tokens < self.row_tokens:
             raise ValueError(f"--batch-tokens ({self.batch_tokens}) must be at least --row-tokens ({self.row_tokens})")
 
@@ -114,6 +128,8 @@ class FitResult:
     stopped_early: bool
     seconds: float
     tokens_per_second: float
+    flops_per_token: float | None  # forward + backward, counted on this process's first step
+    precision: str  # "bfloat16" (autocast) or "float32"
 
 
 def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | None) -> DraftMethod:
@@ -158,12 +174,46 @@ def warmup_cosine(total_steps: int, warmup_ratio: float):
     return lr_factor
 
 
+def state_directory(options: FitOptions) -> Path:
+    """Where the run's resumable state lives: --resume DIR, else --state-dir, else .cache/fit/<out name>."""
+    return Path(options.resume or options.state_dir or Path(".cache") / "fit" / Path(options.out).resolve().name)
+
+
+def autocast_dtype(options: FitOptions) -> torch.dtype | None:
+    """bfloat16 when the drafter's matmuls should run in it, None for float32."""
+    if options.precision == "auto":
+        native = options.device.startswith("cuda") or has_native_units("bfloat16")
+        return torch.bfloat16 if native else None
+    return torch.bfloat16 if options.precision == "bfloat16" else None
+
+
+class StopRequest:
+    """Turns SIGTERM/SIGINT into a request to save and stop after the current step."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> StopRequest:
+        for number in STOP_SIGNALS:
+            self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number, frame) -> None:
+        self.signal = number
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+
 def fit(options: FitOptions) -> FitResult:
     options.validate()
     started = time.monotonic()
     if options.threads:
         torch.set_num_threads(options.threads)
     torch.manual_seed(options.seed)
+    precision = autocast_dtype(options)
 
     dataset = Dataset(options.data)
     target = load_target(options.target)
@@ -172,9 +222,13 @@ def fit(options: FitOptions) -> FitResult:
     train_indices, eval_indices = split_indices(len(dataset), options.eval_fraction, options.seed,
                                                 options.max_eval_samples)
 
-    out = Path(options.out)
-    state_path = out / "training" / STATE_NAME
-    state = torch.load(state_path, weights_only=False) if options.resume and state_path.exists() else None
+    out, state_dir = Path(options.out), state_directory(options)
+    state_path = state_dir / STATE_NAME
+    state = None
+    if options.resume:
+        if not state_path.is_file():
+            raise FileNotFoundError(f"--resume {options.resume}: no {STATE_NAME} there to continue from")
+        state = torch.load(state_path, weights_only=False)
     if state is not None:
         if state["method"] != options.method:
             raise ValueError(f"{state_path} holds a {state['method']} run, not {options.method}")
@@ -193,6 +247,9 @@ def fit(options: FitOptions) -> FitResult:
                                options.train_on_prompt)
     eval_plans = make_batches(dataset, eval_indices, method.num_heads, options.batch_tokens, options.row_tokens)
     total_steps = options.max_steps or options.epochs * len(train_plans)
+    if state is not None and state.get("num_batches", len(train_plans)) != len(train_plans):
+        raise ValueError(f"{state_path} was trained on {state['num_batches']} batches per epoch, these options "
+                         f"give {len(train_plans)}: resume with the same data, --batch-tokens and --row-tokens")
 
     parameters = [parameter for parameter in method.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=options.weight_decay, betas=(0.9, 0.95))
@@ -208,16 +265,17 @@ def fit(options: FitOptions) -> FitResult:
         trained_tokens, training_seconds = state["trained_tokens"], state["training_seconds"]
         evals = [(at, HeadAccuracy(**accuracy)) for at, accuracy in state["evals"]]
         torch.set_rng_state(state["rng"])
+        random.setstate(state["python_rng"])
 
     def save_state() -> None:
-        state_path.parent.mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(parents=True, exist_ok=True)
         torch.save({
             "method": options.method, "spec": method.build_spec(), "model": method.state_dict(),
-            "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "num_batches": len(train_plans),
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step,
             "trained_tokens": trained_tokens, "training_seconds": training_seconds,
             "train_losses": train_losses, "evals": [(at, result.as_dict()) for at, result in evals],
-            "rng": torch.get_rng_state(), "options": asdict(options),
+            "rng": torch.get_rng_state(), "python_rng": random.getstate(), "options": asdict(options),
         }, str(state_path) + ".tmp")
         Path(str(state_path) + ".tmp").replace(state_path)
 
@@ -228,53 +286,73 @@ def fit(options: FitOptions) -> FitResult:
             tqdm.write(f"step {step} ({trained_tokens} tokens): top-1 {_fmt(result.top1)} top-5 {_fmt(result.top5)} "
                        f"accepted {result.mean_accepted:.2f}")
 
-    stopped_early = False
-    progress = tqdm(total=total_steps, initial=step, desc=f"fit {options.method}", unit="step", dynamic_ncols=True)
-    while step < total_steps:
-        epoch, position = divmod(step, len(train_plans))
-        # Each epoch visits the packed batches in a fresh seeded order.
-        order = torch.randperm(len(train_plans), generator=torch.Generator().manual_seed(options.seed + epoch))
-        step_started = time.monotonic()
-        batch = build_batch(dataset, train_plans[int(order[position])], method.num_heads, options.row_tokens,
-                            options.train_on_prompt).to(options.device)
+    def train_step(batch) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(device_type=torch.device(options.device).type, dtype=torch.bfloat16,
-                            enabled=options.bf16_autocast):
+                            enabled=precision is not None):
             loss, head_loss = method.training_loss(batch, target, head_weights, options.objective)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, options.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        trained_tokens += batch.num_tokens
-        training_seconds += time.monotonic() - step_started
-        train_losses.append(loss.item())
-        progress.update()
-        progress.set_postfix(loss=f"{loss.item():.3f}", per_head=_fmt(head_loss.tolist()),
-                             tok_s=f"{trained_tokens / max(training_seconds, 1e-9):.0f}")
-        if step % options.eval_every == 0:
-            run_eval()
-        if step % options.checkpoint_every == 0:
-            save_state()
-        if options.max_minutes is not None and time.monotonic() - started > 60 * options.max_minutes:
-            stopped_early = step < total_steps
-            tqdm.write(f"--max-minutes {options.max_minutes} reached at step {step}/{total_steps}")
-            break
-    progress.close()
+        return loss, head_loss
 
-    if not evals or evals[-1][0] != step:
-        run_eval()
-    save_state()
+    stopped_early, flops_per_token = False, None
+    last_checkpoint = time.monotonic()
+    progress = tqdm(total=total_steps, initial=step, desc=f"fit {options.method}", unit="step", dynamic_ncols=True)
+    with StopRequest() as stop:
+        while step < total_steps:
+            epoch, position = divmod(step, len(train_plans))
+            # Each epoch visits the packed batches in a fresh seeded order.
+            order = torch.randperm(len(train_plans), generator=torch.Generator().manual_seed(options.seed + epoch))
+            step_started = time.monotonic()
+            batch = build_batch(dataset, train_plans[int(order[position])], method.num_heads, options.row_tokens,
+                                options.train_on_prompt).to(options.device)
+            if flops_per_token is None:  # counted once, on the first step this process runs
+                from torch.utils.flop_counter import FlopCounterMode
+
+                with FlopCounterMode(display=False) as counter:
+                    loss, head_loss = train_step(batch)
+                flops_per_token = counter.get_total_flops() / max(batch.num_tokens, 1)
+            else:
+                loss, head_loss = train_step(batch)
+            torch.nn.utils.clip_grad_norm_(parameters, options.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            trained_tokens += batch.num_tokens
+            training_seconds += time.monotonic() - step_started
+            train_losses.append(loss.item())
+            progress.update()
+            progress.set_postfix(loss=f"{loss.item():.3f}", per_head=_fmt(head_loss.tolist()),
+                                 tok_s=f"{trained_tokens / max(training_seconds, 1e-9):.0f}")
+            if step % options.eval_every == 0:
+                run_eval()
+            if stop.signal is not None:
+                stopped_early = step < total_steps
+                tqdm.write(f"{signal.Signals(stop.signal).name} at step {step}/{total_steps}: state saved to "
+                           f"{state_dir}; continue with --resume {state_dir}")
+                break
+            if time.monotonic() - last_checkpoint > 60 * options.checkpoint_minutes:
+                save_state()
+                last_checkpoint = time.monotonic()
+            if options.max_minutes is not None and time.monotonic() - started > 60 * options.max_minutes:
+                stopped_early = step < total_steps
+                tqdm.write(f"--max-minutes {options.max_minutes} reached at step {step}/{total_steps}")
+                break
+        progress.close()
+        if not stopped_early and (not evals or evals[-1][0] != step):
+            run_eval()
+        save_state()
     method.save(out, dtype=DTYPES[options.save_dtype])
     seconds = time.monotonic() - started
     tokens_per_second = trained_tokens / max(training_seconds, 1e-9)
-    (out / "training" / METRICS_NAME).write_text(json.dumps({
+    (state_dir / METRICS_NAME).write_text(json.dumps({
         "method": options.method, "objective": options.objective, "steps": step, "total_steps": total_steps,
         "stopped_early": stopped_early, "seconds": seconds, "trained_tokens": trained_tokens,
         "training_seconds": training_seconds, "train_tokens_per_second": tokens_per_second,
+        "precision": "bfloat16" if precision is not None else "float32", "flops_per_token": flops_per_token,
         "train_losses": train_losses, "evals": [{"step": at, **result.as_dict()} for at, result in evals],
     }, indent=1))
-    return FitResult(step, train_losses, evals, stopped_early, seconds, tokens_per_second)
+    return FitResult(step, train_losses, evals, stopped_early, seconds, tokens_per_second, flops_per_token,
+                     "bfloat16" if precision is not None else "float32")
 
 
 def _fmt(values: list[float]) -> str:

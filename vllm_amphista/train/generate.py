@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_amphista.prompts import Conversation, chat_prompt_ids
-from vllm_amphista.train.data import Sample, SampleTensors, complete_shards, write_shard
+from vllm_amphista.train.data import Sample, SampleTensors, answered_shards, complete_shards, write_shard
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +181,13 @@ def generate_dataset(
     enforce_eager: bool = False,
     use_chat_template: bool = True,
     seed: int = 0,
+    answered: str | os.PathLike | None = None,
 ) -> dict:
     """Answer `conversations` ((id, category, conversation) each) greedily, or recompute the tensors of
-    `token_samples`, into dataset shards under `out`. Returns what was done (counts, seconds, bytes)."""
+    `token_samples`, into dataset shards under `out`. Returns what was done (counts, seconds, bytes).
+
+    `answered`: an answers directory (`export-tokens`) whose shards need no answering again (a fresh
+    machine continues the committed answers; `features` rebuilds their tensors)."""
     if (conversations is None) == (token_samples is None):
         raise ValueError("give conversations to answer or token samples to recompute, not both")
     # The recorder lives in the engine's process: keep the engine in this one.
@@ -214,6 +218,8 @@ def generate_dataset(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     done = set(complete_shards(out))
+    if answered is not None:
+        done |= set(answered_shards(answered))
     todo = [index for index in range(len(shards)) if index not in done]
     if not todo:
         logger.info("all %d shards of %s are complete", len(shards), out)

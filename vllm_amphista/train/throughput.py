@@ -32,17 +32,18 @@ def _flops_per_second(run, flops: float, seconds: float) -> float:
     return flops * runs / elapsed
 
 
-def matmul_flops_per_second(config: PretrainedConfig, tokens: int = 512, seconds: float = 1.5) -> float:
-    """float32 GEMM throughput here at the target's MLP shapes ([tokens, H] x [H, I]): the better
-    of torch.matmul (MKL's sgemm, which takes slow paths on some AMD CPUs) and a oneDNN linear
-    (the library vLLM-CPU's linears call), where torch was built with oneDNN."""
+def matmul_flops_per_second(config: PretrainedConfig, tokens: int = 512, seconds: float = 1.5,
+                            dtype: torch.dtype = torch.float32) -> float:
+    """GEMM throughput in `dtype` here at the target's MLP shapes ([tokens, H] x [H, I]): the better
+    of torch.matmul (MKL's sgemm, which takes slow paths on some AMD CPUs; oneDNN for bf16) and a
+    oneDNN linear (the library vLLM-CPU's linears call), where torch was built with oneDNN."""
     hidden, intermediate = config.hidden_size, config.intermediate_size
-    activations = torch.randn(tokens, hidden)
-    linear = torch.nn.Linear(hidden, intermediate, bias=False)
+    activations = torch.randn(tokens, hidden, dtype=dtype)
+    linear = torch.nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
     flops = 2.0 * tokens * hidden * intermediate
     with torch.no_grad():
         best = _flops_per_second(lambda: torch.matmul(activations, linear.weight.t()), flops, seconds)
-        if torch.backends.mkldnn.is_available():
+        if dtype == torch.float32 and torch.backends.mkldnn.is_available():
             from torch.utils import mkldnn
 
             onednn_linear, onednn_activations = mkldnn.to_mkldnn(linear), activations.to_mkldnn()
@@ -50,8 +51,9 @@ def matmul_flops_per_second(config: PretrainedConfig, tokens: int = 512, seconds
     return best
 
 
-def roofline_line(stage: str, tokens_per_second: float, flops_per_token: float, roofline: float) -> str:
+def roofline_line(stage: str, tokens_per_second: float, flops_per_token: float, roofline: float,
+                  dtype_name: str = "float32") -> str:
     achieved = tokens_per_second * flops_per_token
     return (f"{stage}: {tokens_per_second:.0f} tokens/s x {flops_per_token / 1e6:.0f} MFLOP/token = "
-            f"{achieved / 1e9:.1f} GFLOP/s, {100 * achieved / roofline:.0f}% of this machine's float32 "
+            f"{achieved / 1e9:.1f} GFLOP/s, {100 * achieved / roofline:.0f}% of this machine's {dtype_name} "
             f"GEMM roofline ({roofline / 1e9:.1f} GFLOP/s at the target's shapes, {torch.get_num_threads()} threads)")
