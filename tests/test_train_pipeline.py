@@ -40,7 +40,7 @@ from vllm_amphista.train.data import (
     write_token_file,
 )
 from vllm_amphista.train.eagle import EagleMethod
-from vllm_amphista.train.fit import FitOptions, fit, split_indices
+from vllm_amphista.train.fit import FitOptions, fit, leading_samples, split_indices
 from vllm_amphista.train.target import load_target
 
 ENGINE_PROMPTS = ["<|user|> what is the answer to w3 ? </s> <|assistant|>", "w1 w2 w3"]
@@ -273,6 +273,19 @@ def test_sigterm_saves_the_run_and_resume_finishes_it_as_if_never_stopped(tiny_l
     assert resumed.train_losses == pytest.approx(straight.train_losses, rel=1e-4)
     with pytest.raises(FileNotFoundError, match="no state.pt"):
         fit(options(tiny_llama_dir, dataset_dir, tmp_path / "x", max_steps=2, resume=str(tmp_path / "nothing")))
+
+
+def test_max_output_tokens_trains_on_a_leading_slice(tiny_llama_dir, dataset_dir, tmp_path):
+    dataset = Dataset([dataset_dir])
+    train_indices, _ = split_indices(len(dataset), 0.1, seed=0, max_eval=400)
+    budget = sum(len(dataset.samples[i].output_ids) for i in train_indices[:3])
+    assert leading_samples(dataset, train_indices, budget) == train_indices[:3]
+    assert leading_samples(dataset, train_indices, budget - 1) == train_indices[:2]
+    full = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "full", epochs=1))
+    part = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "part", epochs=1, max_output_tokens=budget))
+    assert 1 <= part.steps < full.steps
+    with pytest.raises(DataError, match="keeps no training sample"):
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path / "none", max_output_tokens=0))
 
 
 def test_draft_vocabulary_is_the_most_frequent_outputs(tiny_llama_dir, dataset_dir, tmp_path):

@@ -44,6 +44,8 @@ FIT_HELP = {
     "eagle_ce_weight": "EAGLE: weight of the token loss next to the feature regression",
     "objective": "hard: cross-entropy with the target's token; distill: with its top-k distribution",
     "draft_vocab_size": "draft vocabulary: the N most frequent output tokens (0 = the full vocabulary)",
+    "max_output_tokens": "train on the leading samples up to this many output tokens (learning curves; "
+                         "the held-out slice is unchanged)",
     "train_on_prompt": "also learn at prompt positions, not only on the target's outputs (hard objective)",
     "row_tokens": "tokens per packed row (longer samples are cut)",
     "eval_fraction": "fraction of samples held out for accuracy evals (0 = none)",

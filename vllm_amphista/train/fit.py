@@ -25,6 +25,7 @@ import json
 import math
 import random
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ class FitOptions:
     # Data
     objective: str = "hard"
     draft_vocab_size: int = 0
+    max_output_tokens: int | None = None
     train_on_prompt: bool = False
     row_tokens: int = 1024
     eval_fraction: float = 0.02
@@ -162,6 +164,20 @@ def split_indices(num_samples: int, eval_fraction: float, seed: int, max_eval: i
     return sorted(indices[num_eval:]), sorted(indices[:num_eval])
 
 
+def leading_samples(dataset: Dataset, indices: list[int], max_output_tokens: int) -> list[int]:
+    """The first of `indices` (the data's own order: the mix's, every category in proportion) whose
+    output tokens add up to at most `max_output_tokens`: the same held-out slice, less training data."""
+    kept, total = [], 0
+    for index in indices:
+        total += len(dataset.samples[index].output_ids)
+        if total > max_output_tokens:
+            break
+        kept.append(index)
+    if not kept:
+        raise DataError(f"--max-output-tokens {max_output_tokens} keeps no training sample")
+    return kept
+
+
 def warmup_cosine(total_steps: int, warmup_ratio: float):
     warmup_steps = max(1, round(warmup_ratio * total_steps))
 
@@ -195,8 +211,9 @@ class StopRequest:
         self._previous = {}
 
     def __enter__(self) -> StopRequest:
-        for number in STOP_SIGNALS:
-            self._previous[number] = signal.signal(number, self._handle)
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
+            for number in STOP_SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
         return self
 
     def _handle(self, number, frame) -> None:
@@ -221,6 +238,8 @@ def fit(options: FitOptions) -> FitResult:
     target = target.to(options.device)
     train_indices, eval_indices = split_indices(len(dataset), options.eval_fraction, options.seed,
                                                 options.max_eval_samples)
+    if options.max_output_tokens is not None:
+        train_indices = leading_samples(dataset, train_indices, options.max_output_tokens)
 
     out, state_dir = Path(options.out), state_directory(options)
     state_path = state_dir / STATE_NAME
