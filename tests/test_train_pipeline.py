@@ -40,6 +40,7 @@ from vllm_amphista.train.data import (
     write_token_file,
 )
 from vllm_amphista.train.eagle import EagleMethod
+from vllm_amphista.train.drafter import reachable_heads
 from vllm_amphista.train.fit import FitOptions, fit, leading_samples, split_indices
 from vllm_amphista.train.target import load_target
 
@@ -215,6 +216,18 @@ def test_eagle_chain_matches_step_by_step_drafting(tiny_llama_dir, dataset_dir):
             steps.append(logits[0, 0])
             inputs = torch.cat([inputs, eagle._step_inputs(logits.argmax(-1), feature, target)], dim=1)
     assert torch.allclose(batched[int(rows[0, :t].sum())], torch.stack(steps), atol=1e-4)
+
+
+def test_valid_prefix_masks_heads_after_the_first_wrong_one(tiny_llama_dir, dataset_dir, tmp_path):
+    labels = torch.tensor([[1, 2, 3], [1, 5, 3], [4, 2, 3]])
+    logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 0], [1, 2, 3], [0, 2, 3]]), 8).float()
+    assert reachable_heads(logits, labels).tolist() == [[True, True, True], [True, True, False],
+                                                         [True, False, False]]
+    # The masked loss differs from the plain one and still trains.
+    result = fit(options(tiny_llama_dir, dataset_dir, tmp_path, epochs=2, valid_prefix=True))
+    plain = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "plain", epochs=2))
+    assert result.train_losses != pytest.approx(plain.train_losses)
+    assert sum(result.train_losses[-3:]) < sum(result.train_losses[:3])
 
 
 @pytest.mark.parametrize("objective", ["hard", "distill"])

@@ -43,6 +43,8 @@ FIT_HELP = {
     "medusa_layers": "Medusa: residual layers per head",
     "eagle_ce_weight": "EAGLE: weight of the token loss next to the feature regression",
     "objective": "hard: cross-entropy with the target's token; distill: with its top-k distribution",
+    "valid_prefix": "head k learns only where heads 1..k-1 draft the target's tokens (the chain a verifier "
+                    "accepts; SpecBlock's valid-prefix mask)",
     "draft_vocab_size": "draft vocabulary: the N most frequent output tokens (0 = the full vocabulary)",
     "max_output_tokens": "train on the leading samples up to this many output tokens (learning curves; "
                          "the held-out slice is unchanged)",

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_amphista.modeling_amphista import draft_logits
@@ -48,21 +49,27 @@ class DraftMethod(nn.Module):
         """[M, K, vocab.size] logits at the `rows` positions, head k drafting x_{t+2+k}."""
         return draft_logits(self.head_features(batch, target, rows), self.vocab_weight(target))
 
-    def training_loss(self, batch: Batch, target: Target, head_weights: torch.Tensor,
-                      objective: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scalar loss, per-head loss) on one batch."""
+    def training_loss(self, batch: Batch, target: Target, head_weights: torch.Tensor, objective: str,
+                      valid_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scalar loss, per-head loss) on one batch; `valid_prefix`: head k learns only at positions
+        where heads 1..k-1 draft the target's tokens (a chain verifier reads head k only there)."""
         rows = (batch.labels != IGNORE_INDEX).any(dim=-1)
         features = self.head_features(batch, target, rows)
         logits = draft_logits(features, self.loss_vocab_weight(target))
-        return self.loss_from_logits(logits, batch, rows, head_weights, objective)
+        return self.loss_from_logits(logits, batch, rows, head_weights, objective, valid_prefix)
 
     def loss_from_logits(self, logits: torch.Tensor, batch: Batch, rows: torch.Tensor, head_weights: torch.Tensor,
-                         objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+                         objective: str, valid_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         num_heads = logits.shape[1]
+        labels = self.loss_vocab.to_draft_ids(batch.labels[rows][:, :num_heads])
+        reachable = reachable_heads(logits, labels) if valid_prefix else None
         if objective == "hard":
-            labels = self.loss_vocab.to_draft_ids(batch.labels[rows][:, :num_heads])
+            if reachable is not None:
+                labels = labels.masked_fill(~reachable, IGNORE_INDEX)
             return hard_label_loss(logits, labels, head_weights)
         topk_ids = self.loss_vocab.to_draft_ids(batch.label_topk_ids[rows][:, :num_heads])
+        if reachable is not None:
+            topk_ids = topk_ids.masked_fill(~reachable.unsqueeze(-1), IGNORE_INDEX)
         return distillation_loss(logits, topk_ids, batch.label_topk_logprobs[rows][:, :num_heads], head_weights)
 
     def save(self, directory: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -71,6 +78,12 @@ class DraftMethod(nn.Module):
     def build_spec(self) -> dict:
         """Constructor arguments that rebuild this drafter (for resumable checkpoints)."""
         raise NotImplementedError
+
+
+def reachable_heads(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[M, K] whether heads 0..k-1 all draft their labels (logits [M, K, V], labels [M, K] draft ids)."""
+    right = (logits.detach().argmax(dim=-1) == labels).long()
+    return F.pad(right.cumprod(dim=1)[:, :-1], (1, 0), value=1).bool()
 
 
 def id_list(ids: torch.Tensor | None) -> list[int] | None:

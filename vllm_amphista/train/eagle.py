@@ -83,10 +83,10 @@ class EagleMethod(DraftMethod):
     def vocab_weight(self, target: Target) -> torch.Tensor:
         return target.lm_head_weight
 
-    def training_loss(self, batch, target, head_weights, objective):
+    def training_loss(self, batch, target, head_weights, objective, valid_prefix=False):
         """EAGLE-1's loss with teacher forcing: smooth-L1 from each feature to the target's next
-        hidden state, plus ce_weight times the token loss of its first draft. (head_weights is
-        unused: one step is trained.)"""
+        hidden state, plus ce_weight times the token loss of its first draft. (head_weights and
+        valid_prefix are unused: one step is trained.)"""
         features = self._layer(self._step_inputs(batch.next_token_ids, batch.hidden, target), batch.position_ids,
                                causal_attention_mask(batch.segment_ids))
         next_hidden, has_next_hidden = batch.next_hidden

@@ -73,6 +73,7 @@ class FitOptions:
     eagle_ce_weight: float = 0.1
     # Data
     objective: str = "hard"
+    valid_prefix: bool = False
     draft_vocab_size: int = 0
     max_output_tokens: int | None = None
     train_on_prompt: bool = False
@@ -308,7 +309,8 @@ def fit(options: FitOptions) -> FitResult:
     def train_step(batch) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(device_type=torch.device(options.device).type, dtype=torch.bfloat16,
                             enabled=precision is not None):
-            loss, head_loss = method.training_loss(batch, target, head_weights, options.objective)
+            loss, head_loss = method.training_loss(batch, target, head_weights, options.objective,
+                                                   options.valid_prefix)
         loss.backward()
         return loss, head_loss
 
