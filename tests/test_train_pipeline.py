@@ -172,6 +172,22 @@ def test_prompt_mix_covers_every_category_without_benchmark_questions(tmp_path):
     assert all(r["messages"][2]["content"] in prompt_mix.FOLLOW_UPS for r in second)
 
 
+def test_second_turns_from_committed_answers(tiny_llama_dir, tmp_path):
+    first = [{"id": f"q{i}", "category": "alpaca", "messages": [{"role": "user", "content": f"w{i} ?"}]}
+             for i in range(4)]
+    write_jsonl(tmp_path / "first.jsonl", first)
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    write_answers_shard(answers / "shard_00000.npz", [Sample([5, 6], [20 + i, 21], f"q{i}", "alpaca")
+                                                      for i in range(3)])
+    main(["mix", "--second-turns-from", str(answers), "--first-turns", str(tmp_path / "first.jsonl"),
+          "--target", str(tiny_llama_dir), "--out", str(tmp_path / "second.jsonl"), "--count", "10"])
+    second = [json.loads(line) for line in (tmp_path / "second.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in second) == ["second-q0", "second-q1", "second-q2"]  # q3 was never answered
+    by_id = {r["id"]: r for r in second}
+    assert by_id["second-q1"]["messages"][1] == {"role": "assistant", "content": " ".join([TINY_WORDS[14]] * 2)}
+
+
 def test_packing_keeps_samples_apart_and_labels_only_the_targets_outputs(tmp_path):
     samples = [Sample([10, 11, 12], [20, 21, 22, 23], "a"), Sample([30, 31], [40, 41, 42], "b")]
     tensors = [SampleTensors(torch.arange(6.0)[:, None].repeat(1, 4), torch.full((4, 2), 7), torch.zeros(4, 2)),

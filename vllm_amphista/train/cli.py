@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     mix.add_argument("--out", required=True, help="output JSONL of {id, category, messages}")
     mix.add_argument("--alpaca", help="Alpaca JSON (instruction, input, output): first-turn mix")
     mix.add_argument("--gsm8k", help="GSM8K JSONL (question, answer): first-turn mix")
-    mix.add_argument("--second-turns-from", nargs="+", metavar="DATASET_DIR",
-                     help="datasets of first-turn answers: build follow-ups to them instead")
+    mix.add_argument("--second-turns-from", nargs="+", metavar="ANSWERS_OR_DATASET_DIR",
+                     help="answers directories (data/answers/...) or datasets of first-turn answers: build "
+                          "follow-ups to them instead")
     mix.add_argument("--first-turns", help="the first-turn mix those datasets answered")
     mix.add_argument("--target", help="target model dir (its tokenizer decodes the first answers)")
     mix.add_argument("--count", type=int, default=2500, help="second turns to build (default: %(default)s)")
@@ -201,12 +202,15 @@ def run_mix(args: argparse.Namespace) -> None:
             raise ValueError("--second-turns-from needs --first-turns (the mix it answered) and --target")
         from transformers import AutoTokenizer
 
-        from vllm_amphista.train.data import Dataset
+        from vllm_amphista.train.data import Dataset, answered_shards, read_token_file
 
         tokenizer = AutoTokenizer.from_pretrained(args.target)
         questions = {record["id"]: record for record in read_records(args.first_turns)}
+        # Answers directories (what the repository commits) or datasets with their tensors.
+        samples = [sample for path in args.second_turns_from
+                   for sample in (read_token_file(path) if answered_shards(path) else Dataset([path]).samples)]
         first_turns = [{**questions[sample.id], "answer": tokenizer.decode(sample.output_ids, skip_special_tokens=True)}
-                       for sample in Dataset(args.second_turns_from).samples if sample.id in questions]
+                       for sample in samples if sample.id in questions]
         counts = prompt_mix.write_mix(args.out, prompt_mix.second_turn_mix(first_turns, args.count, args.seed))
     elif args.alpaca and args.gsm8k:
         counts = prompt_mix.build_first_turns(args.alpaca, args.gsm8k, args.out, seed=args.seed)
