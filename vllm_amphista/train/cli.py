@@ -22,7 +22,7 @@ from vllm_amphista.prompts import load_conversations, read_records
 from vllm_amphista.train import generate as generate_module
 from vllm_amphista.train import prompt_mix
 from vllm_amphista.train.evaluate import EvalOptions, evaluate
-from vllm_amphista.train.fit import PRECISIONS, FitOptions, fit
+from vllm_amphista.train.fit import PRECISIONS, FitOptions, autocast_dtype, fit
 from vllm_amphista.train.batch import OBJECTIVES
 from vllm_amphista.train.generate import DTYPES
 from vllm_amphista.train.methods import METHODS
@@ -284,8 +284,6 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_fit(options: FitOptions) -> None:
-    from vllm_amphista.train.fit import autocast_dtype
-
     options.validate()
     precision = autocast_dtype(options) or torch.float32
     roofline = measure_roofline(options.target, precision) if options.device == "cpu" else None
