@@ -205,16 +205,20 @@ def write_shard(directory: str | os.PathLike, index: int, samples: list[Sample],
     return tensors_path.stat().st_size + samples_path.stat().st_size
 
 
+def _shard_index(path: Path) -> int:
+    return int(path.stem.removeprefix("shard_"))
+
+
 def complete_shards(directory: str | os.PathLike) -> list[int]:
     """Indices of the shards a directory holds in full."""
     directory = Path(directory)
-    return sorted(int(path.stem.removeprefix("shard_")) for path in directory.glob(SHARD_GLOB)
+    return sorted(_shard_index(path) for path in directory.glob(SHARD_GLOB)
                   if path.with_suffix(".safetensors").is_file())
 
 
 def answered_shards(answers_dir: str | os.PathLike) -> list[int]:
     """Indices of the answers shards a directory holds (written whole, so present means complete)."""
-    return sorted(int(path.stem.removeprefix("shard_")) for path in Path(answers_dir).glob(ANSWERS_GLOB))
+    return sorted(_shard_index(path) for path in Path(answers_dir).glob(ANSWERS_GLOB))
 
 
 class Dataset:

@@ -232,6 +232,7 @@ def fit(options: FitOptions) -> FitResult:
         torch.set_num_threads(options.threads)
     torch.manual_seed(options.seed)
     precision = autocast_dtype(options)
+    precision_name = "float32" if precision is None else "bfloat16"
 
     dataset = Dataset(options.data)
     target = load_target(options.target)
@@ -267,7 +268,7 @@ def fit(options: FitOptions) -> FitResult:
                                options.train_on_prompt)
     eval_plans = make_batches(dataset, eval_indices, method.num_heads, options.batch_tokens, options.row_tokens)
     total_steps = options.max_steps or options.epochs * len(train_plans)
-    if state is not None and state.get("num_batches", len(train_plans)) != len(train_plans):
+    if state is not None and state["num_batches"] != len(train_plans):
         raise ValueError(f"{state_path} was trained on {state['num_batches']} batches per epoch, these options "
                          f"give {len(train_plans)}: resume with the same data, --batch-tokens and --row-tokens")
 
@@ -369,11 +370,11 @@ def fit(options: FitOptions) -> FitResult:
         "method": options.method, "objective": options.objective, "steps": step, "total_steps": total_steps,
         "stopped_early": stopped_early, "seconds": seconds, "trained_tokens": trained_tokens,
         "training_seconds": training_seconds, "train_tokens_per_second": tokens_per_second,
-        "precision": "bfloat16" if precision is not None else "float32", "flops_per_token": flops_per_token,
+        "precision": precision_name, "flops_per_token": flops_per_token,
         "train_losses": train_losses, "evals": [{"step": at, **result.as_dict()} for at, result in evals],
     }, indent=1))
     return FitResult(step, train_losses, evals, stopped_early, seconds, tokens_per_second, flops_per_token,
-                     "bfloat16" if precision is not None else "float32")
+                     precision_name)
 
 
 def _fmt(values: list[float]) -> str:
