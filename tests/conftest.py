@@ -176,7 +176,7 @@ def run_engine(target_dir, requests, speculative_config=None, extra_env=None, ti
 
 
 def build_random_heads(target_dir: str | os.PathLike, directory: str | os.PathLike,
-                       num_draft_heads: int = 4, seed: int = 1) -> Path:
+                       num_draft_heads: int = 4, seed: int = 1, **config_overrides) -> Path:
     """Save random-but-initialised Amphista heads for `target_dir` to `directory` (float32):
     the default init moved by N(0, 0.02) noise, so every part of the drafter matters."""
     from transformers import AutoConfig
@@ -184,7 +184,8 @@ def build_random_heads(target_dir: str | os.PathLike, directory: str | os.PathLi
     from vllm_amphista.configuration_amphista import AmphistaConfig
     from vllm_amphista.modeling_amphista import AmphistaDrafter
 
-    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_heads=num_draft_heads)
+    config = AmphistaConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_draft_heads=num_draft_heads,
+                                               **config_overrides)
     torch.manual_seed(seed)
     drafter = AmphistaDrafter(config)
     with torch.no_grad():

@@ -202,12 +202,15 @@ def test_own_lm_head_and_draft_vocabulary():
         drafter.init_from_target(lm_head[:, :64], draft_ids)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"draft_vocab_size": 8, "use_stages": False}])
+@pytest.mark.parametrize("overrides", [{}, {"draft_vocab_size": 8, "use_stages": False},
+                                       {"target_feature_layers": [1, 3]}])
 def test_save_load_round_trip(tmp_path, overrides):
     drafter = randomized(AmphistaDrafter(make_config(**overrides)))
     hidden, next_ids, embed, lm_head = make_inputs()
-    if overrides:
+    if "draft_vocab_size" in overrides:
         drafter.init_from_target(lm_head, torch.arange(8) * 3)
+    if "target_feature_layers" in overrides:
+        hidden = torch.cat([hidden, 3 * hidden.flip(-1)], dim=-1)
     drafter.save_pretrained(tmp_path, dtype=torch.float32)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "amphista" and config["architectures"] == ["AmphistaDrafter"]
@@ -255,6 +258,10 @@ def test_truncated_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
     ({"encoder_num_attention_heads": 3}, "divisible"),
     ({"hidden_act": "nope"}, "hidden_act"),
     ({"stage_num_layers": 0}, "stage_num_layers"),
+    ({"target_feature_layers": []}, "target_feature_layers"),
+    ({"target_feature_layers": [2, 2]}, "target_feature_layers"),
+    ({"target_feature_layers": [0, 2]}, "target_feature_layers"),
+    ({"target_feature_layers": [3, 1]}, "ascending"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -273,3 +280,42 @@ def test_config_from_target():
     llama = config.to_llama_config()
     assert (llama.num_key_value_heads, llama.intermediate_size, llama.num_hidden_layers) == (3, 1536, 2)
     assert llama.rope_parameters["rope_theta"] == 100000.0
+    assert config.target_feature_layers is None and config.feature_size == 576  # h_t alone, as before
+    layered = AmphistaConfig.from_target_config(target, target_feature_layers=[2, 15, 30])
+    assert layered.feature_size == 3 * 576 and layered.eagle_aux_hidden_state_layer_ids == [2, 15, 30]
+    with pytest.raises(ValueError, match="reach past the target's 30 layers"):
+        AmphistaConfig.from_target_config(target, target_feature_layers=[2, 31])
+
+
+def test_every_feature_layer_is_read_and_the_width_is_checked():
+    drafter = randomized(AmphistaDrafter(make_config(target_feature_layers=[1, 2, 3])))
+    hidden, next_ids, embed, lm_head = make_inputs()
+    features = torch.cat([hidden, hidden.roll(1, dims=-1), hidden.roll(2, dims=-1)], dim=-1)
+    with torch.no_grad():
+        reference = drafter(features, next_ids, embed, lm_head)
+        for layer in range(3):
+            changed = features.clone()
+            changed[..., layer * HIDDEN:(layer + 1) * HIDDEN] += 1.0
+            assert not torch.allclose(drafter(changed, next_ids, embed, lm_head), reference)
+        with pytest.raises(ValueError, match=r"width 128, this drafter reads 384 \(target_feature_layers=\[1, 2, 3\]\)"):
+            drafter(hidden, next_ids, embed, lm_head)
+
+
+def test_target_features_are_the_residual_streams_vllm_hands_drafters():
+    """Layer i's features are the stream after i decoder layers; the last layer's is the final
+    norm's input (transformers lists the norm's output there instead)."""
+    from transformers import LlamaForCausalLM
+
+    from vllm_amphista.modeling_amphista import target_features
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB)).eval()
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        outputs = target.model(ids, output_hidden_states=True)
+        features = target_features(target, ids, [1, 3])
+        assert torch.equal(target_features(target, ids, None), outputs.last_hidden_state)
+        assert torch.equal(features[..., :64], outputs.hidden_states[1])
+        assert torch.allclose(target.model.norm(features[..., 64:]), outputs.last_hidden_state, atol=1e-6)
+        assert not torch.allclose(features[..., 64:], outputs.last_hidden_state)

@@ -120,6 +120,16 @@ def test_heads_for_another_target(tiny_llama_dir, heads_dir, tmp_path):
     assert "vocab_size=321 does not match the target model's vocab_size=320" in message
 
 
+def test_heads_reading_layers_the_target_lacks(tiny_llama_dir, heads_dir, tmp_path):
+    other = tmp_path / "deeper-heads"
+    shutil.copytree(heads_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["target_feature_layers"] = [1, 5]
+    (other / "config.json").write_text(json.dumps(config))
+    message = error_of([str(tiny_llama_dir), "--speculative-model", str(other)])
+    assert "target_feature_layers [1, 5] reach past the target model's 2 layers" in message
+
+
 def test_heads_for_another_kind_of_target(tiny_llama_dir, heads_dir, tmp_path):
     other = tmp_path / "mistral-heads"
     shutil.copytree(heads_dir, other)

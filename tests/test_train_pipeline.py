@@ -344,6 +344,48 @@ def test_eval_prints_a_table_for_every_method(tiny_llama_dir, dataset_dir, train
     assert len(table) == 2 + len(trained_heads)
 
 
+def test_curve_replays_every_heads_dir_on_the_same_answers(tiny_llama_dir, dataset_dir, trained_heads,
+                                                            random_heads_dir, tmp_path):
+    """`curve` on cached answers (as `greedy_answers` caches them): one point per heads dir, tau of
+    the heads and the hybrid per category, MT-Bench's categories together, a plot."""
+    import hashlib
+
+    from vllm_amphista.replay import head_chains, replay
+
+    questions = write_jsonl(tmp_path / "questions.jsonl", [{"question_id": 1, "category": "writing", "turns": ["x"]}])
+    samples = Dataset([dataset_dir]).samples[:6]
+    records = [{"category": ("writing", "coding", "rag")[i % 3], "question_id": i, "prompt_ids": s.prompt_ids,
+                "output_ids": s.output_ids} for i, s in enumerate(samples)]
+    out = tmp_path / "curve"
+    out.mkdir()
+    (out / "greedy_answers.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    (out / "greedy_answers.settings.json").write_text(json.dumps({
+        "target": str(tiny_llama_dir), "questions": [str(questions)], "per_category": 10, "max_tokens": 256,
+        "max_model_len": 2048, "dtype": "bfloat16",
+        "questions_sha256": [hashlib.sha256(questions.read_bytes()).hexdigest()]}))
+    main(["curve", "--target", str(tiny_llama_dir), "--questions", str(questions), "--out", str(out),
+          "--heads", str(trained_heads["amphista"]), str(random_heads_dir), "--output-tokens", "1000", "100",
+          "--notes", "3 steps", "random", "--plot", str(tmp_path / "curve.png")])
+    points = json.loads((out / "curve.json").read_text())
+    assert [point["output_tokens"] for point in points] == [1000, 100]
+    assert set(points[0]["heads_tau"]) == {"writing", "coding", "rag", "all"}
+    # The heads' tau is what a step-by-step replay of the same drafter gives.
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    drafter = AmphistaDrafter.from_pretrained(trained_heads["amphista"], dtype=torch.float32).eval()
+    steps = tokens = 0
+    for record in records:
+        draft_ids, _ = head_chains(target, drafter, record["prompt_ids"] + record["output_ids"])
+        steps += replay(record["prompt_ids"], record["output_ids"], 4,
+                        lambda context, room: draft_ids[len(context) - 2].tolist()[:room])
+        tokens += len(record["output_ids"])
+    assert points[0]["heads_tau"]["all"] == pytest.approx(tokens / steps)
+    # MT-Bench's categories together (writing, coding here; not rag): between the two.
+    by_category = points[0]["heads_tau"]
+    low, high = sorted([by_category["writing"], by_category["coding"]])
+    assert low <= points[0]["heads_tau_mt_bench"] <= high
+    assert "| 1,000 | 3 steps |" in (out / "curve.md").read_text() and (tmp_path / "curve.png").stat().st_size > 0
+
+
 def test_exports_are_in_vllm_formats(trained_heads):
     medusa = json.loads((trained_heads["medusa"] / "config.json").read_text())
     assert medusa["model_type"] == "medusa" and medusa["num_heads"] == 3 and medusa["original_lm_head"]

@@ -51,6 +51,7 @@ class AmphistaConfig(PretrainedConfig):
         use_stages: bool = True,
         use_sampled_token: bool = True,
         target_model_type: str | None = None,
+        target_feature_layers: list[int] | None = None,
         **kwargs,
     ):
         self.hidden_size = hidden_size
@@ -83,6 +84,7 @@ class AmphistaConfig(PretrainedConfig):
         self.use_stages = use_stages
         self.use_sampled_token = use_sampled_token
         self.target_model_type = target_model_type
+        self.target_feature_layers = None if target_feature_layers is None else [int(i) for i in target_feature_layers]
         kwargs.setdefault("architectures", ["AmphistaDrafter"])
         super().__init__(**kwargs)
         self.validate()
@@ -100,6 +102,17 @@ class AmphistaConfig(PretrainedConfig):
     @property
     def encoder_head_dim(self) -> int:
         return self.hidden_size // self.encoder_num_attention_heads
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the drafter reads per position."""
+        return self.hidden_size * len(self.target_feature_layers or [None])
+
+    @property
+    def eagle_aux_hidden_state_layer_ids(self) -> list[int] | None:
+        """The name under which vLLM's runner reads which target layers to hand the drafter
+        (`GPUModelRunner._get_eagle3_aux_layers_from_config`); the ids mean the same there."""
+        return self.target_feature_layers
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""
@@ -124,6 +137,14 @@ class AmphistaConfig(PretrainedConfig):
             f"got {self.draft_vocab_size}",
         )
         require(self.hidden_act in ACT2FN, f"unknown hidden_act {self.hidden_act!r}")
+        if self.target_feature_layers is not None:
+            layers = self.target_feature_layers
+            require(
+                # Ascending: vLLM hands the streams over in the order its layers run.
+                len(layers) >= 1 and layers == sorted(set(layers)) and layers[0] >= 1,
+                f"target_feature_layers must be ascending distinct layer counts >= 1 (null: the final-norm "
+                f"output), got {layers}",
+            )
         if self.use_stages:
             require(
                 self.stage_num_layers >= 1,
@@ -171,6 +192,10 @@ class AmphistaConfig(PretrainedConfig):
             target_model_type=text_config.model_type,
         )
         fields.update(overrides)
+        layers = fields.get("target_feature_layers") or []
+        if any(layer > text_config.num_hidden_layers for layer in layers):
+            raise ValueError(f"invalid AmphistaConfig: target_feature_layers {layers} reach past the target's "
+                             f"{text_config.num_hidden_layers} layers")
         return cls(**fields)
 
     def to_llama_config(self) -> LlamaConfig:

@@ -55,6 +55,16 @@ Choices for what the paper leaves open, and why
   the target's own next-token head. Training starts from a sensible predictor
   instead of noise, which matters for short CPU training runs.
 
+Target features: by default h_t is the target's final-norm output, the input
+of its lm_head. With ``target_feature_layers`` (EAGLE-3's finding: one layer
+lacks what several carry) h_t is instead ``combine``'s projection of the
+residual stream after each listed number of target layers (the target's layer
+L's stream is its final-norm input): each stream is RMS-normalised (their
+scales differ by orders of magnitude), the n of them concatenated and
+projected nH -> H, starting as the identity on the last listed layer. The ids
+mean what vLLM's auxiliary hidden states mean, so vLLM hands the drafter
+exactly these streams from the target's own forward pass.
+
 Ablations (config switches): ``use_sampled_token=False`` fuses h_t alone
 (``Linear(H -> H)``); ``use_stages=False`` drops the stage layers and every
 head reads the fused input; ``use_encoder=False`` drops the encoder, leaving
@@ -206,6 +216,40 @@ def draft_logits(head_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> tor
     return F.linear(head_hidden, lm_head_weight.to(head_hidden.dtype))
 
 
+class FeatureCombiner(nn.Module):
+    """[N, n*H] residual streams of n target layers -> [N, H] features in the place of h_t."""
+
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.norms = nn.ModuleList(LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+                                   for _ in config.target_feature_layers)
+        self.proj = linear(config.feature_size, config.hidden_size)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        streams = features.split(self.hidden_size, dim=-1)
+        return self.proj(torch.cat([norm(stream) for norm, stream in zip(self.norms, streams)], dim=-1))
+
+
+def target_features(target: nn.Module, token_ids: torch.Tensor, layers: list[int] | None) -> torch.Tensor:
+    """[B, T] ids -> [B, T, n*H] the features a drafter with `target_feature_layers` = `layers` reads,
+    from a transformers causal LM (the final-norm output when `layers` is None)."""
+    outputs = target.model(token_ids, output_hidden_states=True)
+    if layers is None:
+        return outputs.last_hidden_state
+    num_layers = len(outputs.hidden_states) - 1
+    # transformers' last entry is after the final norm; the stream entering it is needed instead.
+    pre_norm = {}
+    if num_layers in layers:
+        handle = target.model.norm.register_forward_hook(lambda module, inputs, output: pre_norm.update(x=inputs[0]))
+        try:
+            target.model(token_ids)
+        finally:
+            handle.remove()
+    return torch.cat([pre_norm["x"] if layer == num_layers else outputs.hidden_states[layer] for layer in layers],
+                     dim=-1)
+
+
 class AdaptationStage(nn.Module):
     """Llama decoder layers, causal over sequence positions."""
 
@@ -238,6 +282,7 @@ class AmphistaDrafter(nn.Module):
         config.validate()
         self.config = config
         hidden_size = config.hidden_size
+        self.combine = FeatureCombiner(config) if config.target_feature_layers else None
         fuse_in = 2 * hidden_size if config.use_sampled_token else hidden_size
         self.fuse = nn.Linear(fuse_in, hidden_size, bias=False)
         if config.use_stages:
@@ -270,6 +315,9 @@ class AmphistaDrafter(nn.Module):
         identity = torch.eye(hidden_size)
         self.fuse.weight.zero_()
         self.fuse.weight[:, -hidden_size:] = identity  # h_t is the last input block
+        if self.combine is not None:
+            self.combine.proj.weight.zero_()
+            self.combine.proj.weight[:, -hidden_size:] = identity  # the last listed layer
         for stage in self.stages or []:
             for layer in stage.layers:
                 for name, module in layer.named_modules():
@@ -333,6 +381,8 @@ class AmphistaDrafter(nn.Module):
         embed_tokens: nn.Embedding | torch.Tensor | None,
     ) -> torch.Tensor:
         dtype = self.fuse.weight.dtype
+        if self.combine is not None:
+            target_hidden = self.combine(target_hidden.to(dtype))
         if not self.config.use_sampled_token:
             return self.fuse(target_hidden.to(dtype))
         if next_token_ids is None or embed_tokens is None:
@@ -348,12 +398,13 @@ class AmphistaDrafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T, H] target hidden states -> both stages' outputs, [B, T, H] each (the fused input
-        twice without stages)."""
-        batch, seq_len, hidden_size = target_hidden.shape
-        if hidden_size != self.config.hidden_size:
+        """[B, T, feature_size] target features -> both stages' outputs, [B, T, H] each (the fused
+        input twice without stages)."""
+        batch, seq_len, feature_size = target_hidden.shape
+        if feature_size != self.config.feature_size:
             raise ValueError(
-                f"target hidden size {hidden_size} != drafter hidden_size {self.config.hidden_size}"
+                f"target features have width {feature_size}, this drafter reads {self.config.feature_size} "
+                f"(target_feature_layers={self.config.target_feature_layers})"
             )
         stage1_out = self.fuse_inputs(target_hidden, next_token_ids, embed_tokens)
         stage2_out = stage1_out
@@ -383,7 +434,8 @@ class AmphistaDrafter(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, K, V_draft]: head k at position t predicts x_{t+2+k}.
 
-        target_hidden [B, T, H]: the target's final-norm output h_t.
+        target_hidden [B, T, H]: the target's final-norm output h_t ([B, T, n*H] streams with
+            target_feature_layers; `target_features` computes either).
         next_token_ids [B, T]: x_{t+1}, the token the target produced from h_t.
         embed_tokens / lm_head_weight: the target's (nn.Embedding or weight).
         position_ids [B, T]: defaults to 0..T-1 (pass them for left padding).

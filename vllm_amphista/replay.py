@@ -21,7 +21,7 @@ import torch
 
 from vllm_amphista.anpd import NgramTables
 from vllm_amphista.hybrid import hybrid_draft
-from vllm_amphista.modeling_amphista import AmphistaDrafter
+from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
 
 
 def accepted_prefix(draft: list[int], truth: list[int]) -> int:
@@ -65,7 +65,7 @@ def anpd_steps(prompt_ids: list[int], output_ids: list[int], k: int, max_n: int)
 def head_chains(target, drafter: AmphistaDrafter, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """([L-1, K] draft ids, [L-1, K] probabilities): row t is what the heads draft once x_{t+1} is sampled."""
     ids = torch.tensor([token_ids])
-    hidden = target.model(ids, output_hidden_states=True).hidden_states[-1][:, :-1]  # final-norm h_t
+    hidden = target_features(target, ids, drafter.config.target_feature_layers)[:, :-1]
     embed = target.get_input_embeddings().weight
     logits = drafter(hidden, ids[:, 1:], embed, target.get_output_embeddings().weight)[0].float()
     best, draft_ids = logits.max(dim=-1)

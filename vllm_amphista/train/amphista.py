@@ -22,6 +22,7 @@ class AmphistaMethod(DraftMethod):
         self.drafter = drafter
         self.num_heads = drafter.config.num_draft_heads
         self.vocab = self.loss_vocab = DraftVocab(drafter.draft_to_target, drafter.config.vocab_size)
+        self.feature_layers = drafter.config.target_feature_layers
         if drafter.lm_head is not None and drafter.config.share_lm_head:
             # A draft-vocabulary slice of the target's lm_head stays the target's.
             drafter.lm_head.requires_grad_(False)

@@ -9,7 +9,10 @@ never changed afterwards), so a stopped run resumes at the first missing shard:
                                 tokens; the last token is never fed back), "hidden_offsets" [n + 1];
                                 "topk_ids" / "topk_logprobs" [sum(outputs), k]: the target's top-k
                                 next-token log-probabilities at each output token's position,
-                                "output_offsets" [n + 1]
+                                "output_offsets" [n + 1]; with `features --feature-layers`, also
+                                "layer_hidden" [sum(L - 1), n*H]: the residual stream after each
+                                listed number of target layers (metadata "feature_layers"), laid
+                                out as "hidden"
 
 The .jsonl is renamed into place last: a shard without it is incomplete and is
 redone. A tokens file holds the same samples without the tensors, as
@@ -26,6 +29,7 @@ directory of answers shards (one per dataset shard, same index):
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import os
@@ -64,9 +68,10 @@ class Sample:
 class SampleTensors:
     """What the target computed for one sample."""
 
-    hidden: torch.Tensor  # [L - 1, H]
+    hidden: torch.Tensor  # [L - 1, H], or [L - 1, n*H] read with feature layers
     topk_ids: torch.Tensor  # [len(output_ids), k] int32
     topk_logprobs: torch.Tensor  # [len(output_ids), k]
+    layer_hidden: torch.Tensor | None = None  # [L - 1, n*H] as computed, before it is written
 
 
 def _is_id_list(value) -> bool:
@@ -178,9 +183,13 @@ def shard_stem(directory: Path, index: int) -> Path:
     return directory / f"shard_{index:05d}"
 
 
+FEATURE_LAYERS_KEY = "feature_layers"
+
+
 def write_shard(directory: str | os.PathLike, index: int, samples: list[Sample], tensors: list[SampleTensors],
-                hidden_dtype: torch.dtype) -> int:
-    """Write one complete shard atomically; returns its size in bytes."""
+                hidden_dtype: torch.dtype, feature_layers: list[int] | None = None) -> int:
+    """Write one complete shard atomically (with each sample's `layer_hidden` when `feature_layers` are
+    given); returns its size in bytes."""
     stem = shard_stem(Path(directory), index)
     for sample, computed in zip(samples, tensors, strict=True):
         if computed.hidden.shape[0] != len(sample.token_ids) - 1 or computed.topk_ids.shape[0] != len(sample.output_ids):
@@ -196,8 +205,12 @@ def write_shard(directory: str | os.PathLike, index: int, samples: list[Sample],
         "topk_logprobs": torch.cat([t.topk_logprobs for t in tensors]).to(torch.float16).contiguous(),
         "output_offsets": offsets([t.topk_ids.shape[0] for t in tensors]),
     }
+    metadata = None
+    if feature_layers:
+        arrays["layer_hidden"] = torch.cat([t.layer_hidden for t in tensors]).to(hidden_dtype).contiguous()
+        metadata = {FEATURE_LAYERS_KEY: ",".join(str(layer) for layer in feature_layers)}
     tensors_path, samples_path = stem.with_suffix(".safetensors"), stem.with_suffix(".jsonl")
-    save_file(arrays, str(tensors_path) + ".tmp")
+    save_file(arrays, str(tensors_path) + ".tmp", metadata=metadata)
     os.replace(str(tensors_path) + ".tmp", tensors_path)
     with open(str(samples_path) + ".tmp", "w") as file:
         file.writelines(json.dumps(sample.as_record()) + "\n" for sample in samples)
@@ -216,15 +229,30 @@ def complete_shards(directory: str | os.PathLike) -> list[int]:
                   if path.with_suffix(".safetensors").is_file())
 
 
+def shard_feature_layers(directory: str | os.PathLike, index: int) -> list[int]:
+    """The target layers whose streams a complete shard holds (none: h_t alone)."""
+    with safe_open(str(shard_stem(Path(directory), index).with_suffix(".safetensors")), framework="pt") as handle:
+        return _stored_feature_layers(handle)
+
+
+def _stored_feature_layers(handle) -> list[int]:
+    stored = (handle.metadata() or {}).get(FEATURE_LAYERS_KEY, "")
+    return [int(layer) for layer in stored.split(",")] if stored else []
+
+
 def answered_shards(answers_dir: str | os.PathLike) -> list[int]:
     """Indices of the answers shards a directory holds (written whole, so present means complete)."""
     return sorted(_shard_index(path) for path in Path(answers_dir).glob(ANSWERS_GLOB))
 
 
 class Dataset:
-    """The samples of one or more dataset directories, with their tensors read on demand."""
+    """The samples of one or more dataset directories, with their tensors read on demand.
 
-    def __init__(self, directories: list[str | os.PathLike]):
+    With `feature_layers`, a sample's `hidden` is the concatenation of those layers' streams
+    (shards made by `features --feature-layers` with at least these layers) instead of h_t."""
+
+    def __init__(self, directories: list[str | os.PathLike], feature_layers: list[int] | None = None):
+        self.feature_layers = feature_layers
         self.samples: list[Sample] = []
         self._locations: list[tuple[Path, int]] = []  # (tensors file, row in shard)
         for directory in directories:
@@ -243,16 +271,34 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def with_feature_layers(self, feature_layers: list[int] | None) -> Dataset:
+        """The same samples, read with other feature layers."""
+        view = copy.copy(self)
+        view.feature_layers, view._open = feature_layers, {}
+        return view
+
     def _shard(self, path: Path):
         if path not in self._open:
             handle = safe_open(str(path), framework="pt")
-            self._open[path] = (handle, handle.get_tensor("hidden_offsets"), handle.get_tensor("output_offsets"))
+            columns = None
+            if self.feature_layers:
+                stored = _stored_feature_layers(handle)
+                missing = [layer for layer in self.feature_layers if layer not in stored]
+                if missing:
+                    raise DataError(f"{path}: has the streams of target layers {stored or 'none'}, not {missing}: "
+                                    f"rebuild it with `train features --feature-layers ...`")
+                width = handle.get_slice("hidden").get_shape()[-1]
+                columns = torch.cat([torch.arange(width) + stored.index(layer) * width
+                                     for layer in self.feature_layers])
+            self._open[path] = (handle, handle.get_tensor("hidden_offsets"), handle.get_tensor("output_offsets"),
+                                columns)
         return self._open[path]
 
     def tensors(self, index: int) -> SampleTensors:
         path, row = self._locations[index]
-        handle, hidden_offsets, output_offsets = self._shard(path)
-        hidden = handle.get_slice("hidden")[int(hidden_offsets[row]):int(hidden_offsets[row + 1])]
+        handle, hidden_offsets, output_offsets, columns = self._shard(path)
+        rows = slice(int(hidden_offsets[row]), int(hidden_offsets[row + 1]))
+        hidden = handle.get_slice("hidden")[rows] if columns is None else handle.get_slice("layer_hidden")[rows][:, columns]
         start, end = int(output_offsets[row]), int(output_offsets[row + 1])
         return SampleTensors(hidden, handle.get_slice("topk_ids")[start:end],
                              handle.get_slice("topk_logprobs")[start:end])

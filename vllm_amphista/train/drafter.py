@@ -32,6 +32,7 @@ class DraftMethod(nn.Module):
     num_heads: int
     vocab: DraftVocab  # the ids head_logits ranges over, as deployed
     loss_vocab: DraftVocab  # the ids the training loss ranges over
+    feature_layers: list[int] | None = None  # target layers read instead of h_t (Dataset's feature_layers)
 
     def head_features(self, batch: Batch, target: Target, rows: torch.Tensor) -> torch.Tensor:
         """[M, K, H] features of the M positions where `rows` [B, T] is True."""

@@ -109,24 +109,27 @@ def evaluate(options: EvalOptions) -> dict[str, HeadAccuracy]:
     target = load_target(options.target)
     # Load every heads directory first: a mismatch fails before any compute.
     methods = {str(path): load_heads(path, target, options.eagle_steps) for path in options.heads}
-    dataset = Dataset(options.data or [_answer_questions(options)])
+    feature_layers = sorted({layer for method in methods.values() for layer in method.feature_layers or []})
+    dataset = Dataset(options.data or [_answer_questions(options, feature_layers)])
     indices = list(range(len(dataset)))
     results = {}
     for name, method in methods.items():
         plans = make_batches(dataset, indices, method.num_heads, options.batch_tokens, options.row_tokens)
-        results[name] = head_accuracy(method, target, dataset, plans, options.row_tokens)
+        results[name] = head_accuracy(method, target, dataset.with_feature_layers(method.feature_layers), plans,
+                                      options.row_tokens)
     print(markdown_table(results))
     return results
 
 
-def _answer_questions(options: EvalOptions) -> Path:
-    """A dataset of the target's greedy answers to the questions' first turns, made once per setting."""
+def _answer_questions(options: EvalOptions, feature_layers: list[int]) -> Path:
+    """A dataset of the target's greedy answers to the questions' first turns (with the streams of
+    `feature_layers`), made once per setting."""
     from vllm_amphista.train.generate import generate_dataset
 
     key = hashlib.sha256(json.dumps({
         "questions": [hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in options.questions],
         "settings": [options.target, options.prompt_field, options.max_questions, options.max_tokens,
-                     options.max_model_len, options.generation_dtype],
+                     options.max_model_len, options.generation_dtype, feature_layers],
     }).encode()).hexdigest()[:16]
     out = Path(options.cache_dir) / f"answers-{key}"
     conversations = [(f"{Path(path).stem}-{index}", Path(path).stem, conversation)
@@ -135,5 +138,5 @@ def _answer_questions(options: EvalOptions) -> Path:
                                                                              options.max_questions))]
     generate_dataset(options.target, out, conversations=conversations, max_tokens=options.max_tokens,
                      dtype=options.generation_dtype, max_model_len=options.max_model_len,
-                     enforce_eager=options.enforce_eager, concurrency=64)
+                     enforce_eager=options.enforce_eager, concurrency=64, feature_layers=feature_layers or None)
     return out

@@ -68,6 +68,7 @@ class FitOptions:
     no_stages: bool = False
     no_sampled_token: bool = False
     train_lm_head: bool = False
+    target_feature_layers: list[int] | None = None
     # Baselines
     medusa_layers: int = 1
     eagle_ce_weight: float = 0.1
@@ -106,11 +107,11 @@ class FitOptions:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        ablations = self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
-        if ablations and self.method != "amphista":
-            raise ValueError(
-                "--no-encoder/--no-stages/--no-sampled-token/--train-lm-head apply to --method amphista only"
-            )
+        amphista_only = (self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
+                         or self.target_feature_layers)
+        if amphista_only and self.method != "amphista":
+            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head/--target-feature-layers "
+                             "apply to --method amphista only")
         if self.num_heads < 1:
             raise ValueError(f"--num-heads must be >= 1, got {self.num_heads}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -150,6 +151,7 @@ def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | N
         use_stages=not options.no_stages,
         use_sampled_token=not options.no_sampled_token,
         share_lm_head=not options.train_lm_head,
+        target_feature_layers=options.target_feature_layers,
     )
 
 
@@ -234,7 +236,7 @@ def fit(options: FitOptions) -> FitResult:
     precision = autocast_dtype(options)
     precision_name = "float32" if precision is None else "bfloat16"
 
-    dataset = Dataset(options.data)
+    dataset = Dataset(options.data, options.target_feature_layers)
     target = load_target(options.target)
     check_token_ids(dataset.samples, target.vocab_size, ", ".join(options.data))
     target = target.to(options.device)

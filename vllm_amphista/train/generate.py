@@ -33,7 +33,14 @@ import torch
 from tqdm import tqdm
 
 from vllm_amphista.prompts import Conversation, chat_prompt_ids
-from vllm_amphista.train.data import Sample, SampleTensors, answered_shards, complete_shards, write_shard
+from vllm_amphista.train.data import (
+    Sample,
+    SampleTensors,
+    answered_shards,
+    complete_shards,
+    shard_feature_layers,
+    write_shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +48,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class HiddenStateRecorder:
-    """Collects, per request, the target's final hidden state at every position the engine computes.
+    """Collects, per request, the target's final hidden state at every position the engine computes,
+    followed by the residual streams after each of `feature_layers` target layers (vLLM's auxiliary
+    hidden states, the ones the runner hands EAGLE-3 and Amphista drafters that read several layers).
 
-    Installed on the worker's model runner of an in-process engine."""
+    Installed on the worker's model runner of an in-process eager engine (a compiled model would
+    keep the layers it was traced with)."""
 
-    def __init__(self, runner, dtype: torch.dtype):
+    def __init__(self, runner, dtype: torch.dtype, feature_layers: list[int] | None = None):
         self.dtype = dtype
         self.rows: dict[str, dict[int, torch.Tensor]] = {}  # request id -> first position -> rows
         scheduled = {}
         original_execute, original_forward = runner.execute_model, runner._model_forward
+        if feature_layers:
+            runner.get_model().set_aux_hidden_state_layers(tuple(feature_layers))
 
         def execute_model(scheduler_output, *args, **kwargs):
             scheduled["output"] = scheduler_output
@@ -57,12 +69,16 @@ class HiddenStateRecorder:
 
         def model_forward(*args, **kwargs):
             hidden = original_forward(*args, **kwargs)
+            recorded = hidden
+            if feature_layers:
+                hidden, layer_streams = hidden
+                recorded = torch.cat([hidden, *layer_streams], dim=-1)
             output = scheduled["output"]
             positions = kwargs["positions"]
             start = 0
             for req_id in runner.input_batch.req_ids:
                 count = output.num_scheduled_tokens[req_id]
-                self.rows.setdefault(req_id, {})[int(positions[start])] = hidden[start:start + count].to(
+                self.rows.setdefault(req_id, {})[int(positions[start])] = recorded[start:start + count].to(
                     device="cpu", dtype=self.dtype)
                 start += count
             return hidden
@@ -92,8 +108,8 @@ class HiddenStateRecorder:
         return hidden
 
 
-def _install_recorder(worker, dtype_name: str) -> HiddenStateRecorder:
-    return HiddenStateRecorder(worker.model_runner, DTYPES[dtype_name])
+def _install_recorder(worker, dtype_name: str, feature_layers: list[int] | None) -> HiddenStateRecorder:
+    return HiddenStateRecorder(worker.model_runner, DTYPES[dtype_name], feature_layers)
 
 
 def _top_k(position_logprobs, k: int) -> tuple[list[int], list[float]]:
@@ -112,7 +128,7 @@ class Job:
 
 
 def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], first_shard: int, out: Path, params, top_k: int, recompute: bool,
-               hidden_dtype: torch.dtype, concurrency: int) -> dict:
+               hidden_dtype: torch.dtype, concurrency: int, feature_layers: list[int] | None = None) -> dict:
     """Feed every job to the engine, keeping it full; write each shard when its jobs are done."""
     engine = llm.llm_engine
     pending = [(shard, job) for shard, jobs in enumerate(shards) for job in jobs]
@@ -147,12 +163,16 @@ def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], firs
                 recorder.take(output.request_id, num_positions + int(recompute)), torch.tensor(ids).reshape(-1, top_k),
                 torch.tensor(logprobs).reshape(-1, top_k))
             job.tensors.hidden = job.tensors.hidden[:num_positions]
+            if feature_layers:
+                hidden_size = job.tensors.hidden.shape[-1] // (1 + len(feature_layers))
+                job.tensors.hidden, job.tensors.layer_hidden = job.tensors.hidden.split(
+                    [hidden_size, hidden_size * len(feature_layers)], dim=-1)
             remaining[shard] -= 1
             progress.update()
             if remaining[shard] == 0:
                 samples = [job.sample for job in shards[shard]]
                 totals["bytes"] += write_shard(out, first_shard + shard, samples, [job.tensors for job in shards[shard]],
-                                               hidden_dtype)
+                                               hidden_dtype, feature_layers)
                 totals["samples"] += len(samples)
                 totals["output_tokens"] += sum(len(sample.output_ids) for sample in samples)
                 totals["tokens"] += sum(len(sample.token_ids) for sample in samples)
@@ -182,12 +202,15 @@ def generate_dataset(
     use_chat_template: bool = True,
     seed: int = 0,
     answered: str | os.PathLike | None = None,
+    feature_layers: list[int] | None = None,
 ) -> dict:
     """Answer `conversations` ((id, category, conversation) each) greedily, or recompute the tensors of
     `token_samples`, into dataset shards under `out`. Returns what was done (counts, seconds, bytes).
 
     `answered`: an answers directory (`export-tokens`) whose shards need no answering again (a fresh
-    machine continues the committed answers; `features` rebuilds their tensors)."""
+    machine continues the committed answers; `features` rebuilds their tensors).
+    `feature_layers`: also record the residual stream after each of these numbers of target layers
+    (for drafters with `target_feature_layers`); the engine then runs eager."""
     if (conversations is None) == (token_samples is None):
         raise ValueError("give conversations to answer or token samples to recompute, not both")
     # The recorder lives in the engine's process: keep the engine in this one.
@@ -217,7 +240,9 @@ def generate_dataset(
     shards = [fitting[start:start + shard_size] for start in range(0, len(fitting), shard_size)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    done = set(complete_shards(out))
+    # A shard without the streams asked for is redone.
+    done = {index for index in complete_shards(out)
+            if set(feature_layers or []) <= set(shard_feature_layers(out, index))}
     if answered is not None:
         done |= set(answered_shards(answered))
     todo = [index for index in range(len(shards)) if index not in done]
@@ -227,10 +252,10 @@ def generate_dataset(
     logger.info("%d of %d shards on disk; %d to go", len(done), len(shards), len(todo))
 
     llm = LLM(model=target, dtype=dtype, max_model_len=max_model_len, max_num_seqs=concurrency, seed=seed,
-              enforce_eager=enforce_eager, enable_prefix_caching=False,
+              enforce_eager=enforce_eager or bool(feature_layers), enable_prefix_caching=False,
               max_num_batched_tokens=max(max_model_len, 4 * concurrency), max_logprobs=top_k)
     # In-process, the worker's return value is the recorder itself.
-    (recorder,) = llm.collective_rpc(_install_recorder, args=(hidden_dtype,))
+    (recorder,) = llm.collective_rpc(_install_recorder, args=(hidden_dtype, feature_layers))
     if recompute:
         params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False)
     else:
@@ -245,7 +270,7 @@ def generate_dataset(
             runs.append([index])
     for run in runs:
         done_now = run_shards(llm, recorder, [shards[index] for index in run], run[0], out, params, top_k, recompute,
-                              DTYPES[hidden_dtype], concurrency)
+                              DTYPES[hidden_dtype], concurrency, feature_layers)
         for key in totals:
             totals[key] += done_now[key]
     totals["skipped_shards"] = len(done)

@@ -52,7 +52,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
-from vllm_amphista.modeling_amphista import AutoEmbeddingBlock
+from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, FeatureCombiner
 from vllm_amphista.vllm.config import draft_length_mode
 
 # With a load-aware draft length, a request's draft stops where the product of its heads'
@@ -158,6 +158,10 @@ class AmphistaDrafterForVLLM(nn.Module):
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
             start_layer_id=vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
         self.heads = AmphistaHeads(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "heads"))
+        # Heads that read several target layers get them from vLLM as its auxiliary hidden states
+        # (the runner concatenates them), and combine them to one row per token before the stages.
+        self.combine = (FeatureCombiner(config, _replicated_linear(vllm_config))
+                        if config.target_feature_layers else None)
         if config.has_own_lm_head:
             # A draft vocabulary is small: whole on every rank, so no gather is needed.
             self.lm_head = _replicated_linear(vllm_config)(config.hidden_size, config.output_vocab_size)
@@ -229,7 +233,7 @@ class AmphistaDrafterForVLLM(nn.Module):
                         break
             elif name == "fuse.weight":
                 name = "model.fuse.weight"
-            elif name not in ("lm_head.weight", "draft_to_target"):
+            elif name not in ("lm_head.weight", "draft_to_target") and not name.startswith("combine."):
                 name = f"heads.block.{name}"
             if name not in params:
                 raise ValueError(f"Amphista checkpoint has an unexpected tensor {name!r}")
@@ -281,6 +285,8 @@ class AmphistaProposer(EagleProposer):
         without `with_confidence`)."""
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
+        if self.model.combine is not None:  # [N, n*H] target layers -> [N, H], as EAGLE-3 combines them
+            target_hidden_states = self.model.combine(target_hidden_states)
         # The first pass of SpecDecodeBaseProposer.propose: the stages see every
         # scheduled token and write their KV.
         num_tokens, token_indices_to_sample, common_attn_metadata = self.set_inputs_first_pass(

@@ -57,6 +57,13 @@ def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: in
                     f"model's {key}={getattr(target, key, None)}; these heads were trained "
                     "for another model"
                 )
+        layers = config.get("target_feature_layers") or []
+        num_layers = getattr(target, "num_hidden_layers", None)
+        if num_layers is not None and any(layer > num_layers for layer in layers):
+            raise HeadsDirError(
+                f"{config_path}: target_feature_layers {layers} reach past the target model's {num_layers} "
+                "layers; these heads were trained for another model"
+            )
     num_heads = config.get("num_draft_heads")
     if not isinstance(num_heads, int) or num_heads < 1:
         raise HeadsDirError(f"{config_path}: num_draft_heads must be a positive int, got {num_heads!r}")

@@ -19,7 +19,8 @@ The patches:
    manager allocates the drafter's paged KV, the scheduler keeps the EAGLE
    bookkeeping and the runner feeds the drafter as it feeds EAGLE.
 4. `GPUModelRunner.__init__` (also the CPU runner's base) installs our
-   drafters.
+   drafters, and turns on the target's auxiliary hidden states (EAGLE-3's
+   mechanism) for heads that read several target layers.
 5. `GPUModelRunner.propose_draft_token_ids` calls the ANPD proposer (Amphista
    goes through the EAGLE branch thanks to 3), and `GPUModelRunner._update_states`
    hands the ANPD and hybrid proposers the finished request ids the step vLLM
@@ -227,6 +228,9 @@ def _build_plugin_drafters() -> None:
 
     _expect_params(GPUModelRunner.__init__, ["self", "vllm_config", "device"], "GPUModelRunner.__init__")
     _expect(hasattr(gpu_model_runner, "MedusaProposer"), "the runner no longer builds MedusaProposer")
+    _expect(hasattr(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs")
+            and "eagle_aux_hidden_state_layer_ids" in inspect.getsource(GPUModelRunner._get_eagle3_aux_layers_from_config),
+            "the runner no longer reads the target layers of a drafter from eagle_aux_hidden_state_layer_ids")
 
     def make_wrapper(original):
         def __init__(self, vllm_config, device, *args, **kwargs):
@@ -241,6 +245,10 @@ def _build_plugin_drafters() -> None:
                 spec.method = method
             if hasattr(self, "drafter"):  # only the last pipeline rank drafts
                 self.drafter = _make_drafter(method, vllm_config, self)
+            if method in HEADS_METHODS and spec.draft_model_config.hf_config.target_feature_layers:
+                # The target returns the streams the heads read, as for EAGLE-3; load_model sets
+                # which layers from the heads config's `eagle_aux_hidden_state_layer_ids`.
+                self.use_aux_hidden_state_outputs = True
 
         return __init__
 

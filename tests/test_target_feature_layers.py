@@ -1,0 +1,137 @@
+"""Amphista heads that read several target layers (`target_feature_layers`), on a random tiny Llama.
+
+`train features --feature-layers` records the target's residual streams, a drafter trains on
+them, and inside vLLM the same streams come from the target's own forward pass (EAGLE-3's
+auxiliary hidden states): the engine drafts what the reference drafter drafts from transformers'
+streams, and greedy output equals plain decoding, float32.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT, VLLM_CPU_TEST_ENV, build_random_heads, run_engine, run_llm, tiny_samples, write_jsonl
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
+from vllm_amphista.prompts import DataError
+from vllm_amphista.train.data import Dataset
+from vllm_amphista.train.fit import FitOptions, fit
+
+LAYERS = [1, 2]  # the tiny Llama has 2 layers: after the first, and the final norm's input
+
+
+@pytest.fixture(scope="module")
+def layered_dataset(tiny_llama_dir, tmp_path_factory):
+    """Features of the tiny target's own answers with both layers' streams, by the CLI (float32)."""
+    root = tmp_path_factory.mktemp("layered")
+    answers = write_jsonl(root / "answers.jsonl", tiny_samples(tiny_llama_dir, 12, output_len=30))
+    out = root / "features"
+    completed = subprocess.run(
+        [sys.executable, "-m", "vllm_amphista.train", "features", "--target", str(tiny_llama_dir), "--answers",
+         str(answers), "--out", str(out), "--feature-layers", *map(str, LAYERS), "--hidden-dtype", "float32",
+         "--max-model-len", "256", "--concurrency", "8", "--shard-size", "5"],
+        cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV}, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def layered_heads(tiny_llama_dir, tmp_path_factory):
+    return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("layered_heads"), num_draft_heads=3,
+                              target_feature_layers=LAYERS)
+
+
+def test_features_records_each_layers_stream(tiny_llama_dir, layered_dataset):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    final, layered = Dataset([layered_dataset]), Dataset([layered_dataset], LAYERS)
+    reversed_order = final.with_feature_layers(LAYERS[::-1])
+    for index in (0, 7, 11):
+        ids = torch.tensor([final.samples[index].token_ids])
+        with torch.no_grad():
+            expected = target_features(model, ids, LAYERS)[0, :-1]
+            expected_final = target_features(model, ids, None)[0, :-1]
+        assert torch.allclose(layered.tensors(index).hidden, expected, rtol=1e-4, atol=1e-3)
+        assert torch.allclose(final.tensors(index).hidden, expected_final, rtol=1e-4, atol=1e-3)
+        first, second = layered.tensors(index).hidden.chunk(2, dim=-1)
+        assert torch.equal(reversed_order.tensors(index).hidden, torch.cat([second, first], dim=-1))
+    with pytest.raises(DataError, match=r"not \[3\].*--feature-layers"):
+        final.with_feature_layers([3]).tensors(0)
+
+
+def test_fit_trains_heads_that_read_the_layers(tiny_llama_dir, layered_dataset, tmp_path):
+    result = fit(FitOptions(target=str(tiny_llama_dir), data=[str(layered_dataset)], out=str(tmp_path / "heads"),
+                            state_dir=str(tmp_path / "state"), target_feature_layers=LAYERS, num_heads=3,
+                            max_steps=12, batch_tokens=256, row_tokens=128, eval_fraction=0.0, lr=3e-3, threads=1))
+    assert sum(result.train_losses[-3:]) < sum(result.train_losses[:3])
+    drafter = AmphistaDrafter.from_pretrained(tmp_path / "heads")
+    assert drafter.config.target_feature_layers == LAYERS and drafter.combine is not None
+    with pytest.raises(ValueError, match="--method amphista only"):
+        FitOptions(target="t", data=["d"], out="o", method="medusa", target_feature_layers=LAYERS).validate()
+
+
+# In the engine's process: what the stages were fed and what was drafted, step by step.
+RECORD_DRAFTS_BODY = """
+import torch
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+model = runner.drafter.model
+calls = []
+stage_forward, draft = model.forward, model.draft
+
+def recorded_forward(input_ids, positions, hidden_states, inputs_embeds=None):
+    out = stage_forward(input_ids, positions, hidden_states, inputs_embeds)
+    calls.append(("stages", positions.clone(), out.clone()))
+    return out
+
+def recorded_draft(stage_outputs, num_tokens, *options):
+    token_ids, confidence = draft(stage_outputs, num_tokens, *options)
+    calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
+    return token_ids, confidence
+
+model.forward, model.draft = recorded_forward, recorded_draft
+outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=40))
+torch.save(calls, args["path"])
+report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_hidden_state_outputs})
+"""
+
+
+def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, tmp_path):
+    prompt = [12, 40, 41, 12, 40, 41, 12, 40, 41, 12, 57]
+    run = run_llm(tiny_llama_dir, RECORD_DRAFTS_BODY, {"method": "amphista", "model": str(layered_heads),
+                                                       "num_speculative_tokens": 3, "draft_length": "fixed"},
+                  args={"prompt": prompt, "path": str(tmp_path / "calls.pt")})
+    assert run["aux"]
+    ids = torch.tensor([prompt + run["output"]])
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    reference = AmphistaDrafter.from_pretrained(layered_heads, dtype=torch.float32).eval()
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as weights:
+        embed = weights.get_tensor("model.embed_tokens.weight").float()
+    with torch.no_grad():
+        features = target_features(model, ids, LAYERS)
+        # Row t drafts once x_{t+1} is known: the heads' view of the final sequence.
+        reference_drafts = reference(features[:, :-1], ids[:, 1:], embed, embed)[0].argmax(dim=-1)  # tied lm_head
+    compared, positions = 0, None
+    for call in torch.load(tmp_path / "calls.pt"):
+        if call[0] == "stages":
+            positions, stage_rows = call[1], call[2]
+            continue
+        _, stage_outputs, engine_drafts = call
+        (row,) = [i for i in range(stage_rows.shape[0]) if torch.equal(stage_rows[i], stage_outputs[0])]
+        last = int(positions[row])
+        assert engine_drafts[0].tolist() == reference_drafts[last].tolist(), f"drafts differ at position {last}"
+        compared += 1
+    assert compared >= 10
+
+
+def test_greedy_equals_plain_with_layered_heads(tiny_llama_dir, layered_heads):
+    requests = [{"prompt_token_ids": [12 + (i * 7 + j) % 40 for j in range(5 + 9 * i)] * 2, "max_tokens": 32}
+                for i in range(6)]
+    plain = run_engine(tiny_llama_dir, requests)
+    for method in ("amphista", "amphista_anpd"):
+        spec_run = run_engine(tiny_llama_dir, requests, {"method": method, "model": str(layered_heads),
+                                                         "num_speculative_tokens": 3, "draft_length": "fixed"})
+        assert spec_run["token_ids"] == plain["token_ids"], method
+        assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0
