@@ -1,25 +1,32 @@
-"""Amphista heads that read several target layers (`target_feature_layers`), on a random tiny Llama.
+"""Drafters that read several target layers, on a random tiny Llama: Amphista heads with
+`target_feature_layers`, and the DFlash baseline through vLLM's own `dflash` method.
 
-`train features --feature-layers` records the target's residual streams, a drafter trains on
-them, and inside vLLM the same streams come from the target's own forward pass (EAGLE-3's
-auxiliary hidden states): the engine drafts what the reference drafter drafts from transformers'
-streams, and greedy output equals plain decoding, float32.
+`train features --feature-layers` records the target's residual streams, drafters train on
+them, and inside vLLM the same streams come from the target's own forward pass (its auxiliary
+hidden states): the engine drafts what the reference drafter drafts from transformers' streams,
+and greedy output equals plain decoding, float32.
 """
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import REPO_ROOT, VLLM_CPU_TEST_ENV, build_random_heads, run_engine, run_llm, tiny_samples, write_jsonl
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
 from vllm_amphista.prompts import DataError
+from vllm_amphista.train.batch import Batch
 from vllm_amphista.train.data import Dataset
+from vllm_amphista.train.dflash import MASK_EMBEDDING_NAME, DFlashMethod
 from vllm_amphista.train.fit import FitOptions, fit
+from vllm_amphista.train.target import load_target
 
 LAYERS = [1, 2]  # the tiny Llama has 2 layers: after the first, and the final norm's input
 
@@ -69,7 +76,7 @@ def test_fit_trains_heads_that_read_the_layers(tiny_llama_dir, layered_dataset, 
     assert sum(result.train_losses[-3:]) < sum(result.train_losses[:3])
     drafter = AmphistaDrafter.from_pretrained(tmp_path / "heads")
     assert drafter.config.target_feature_layers == LAYERS and drafter.combine is not None
-    with pytest.raises(ValueError, match="--method amphista only"):
+    with pytest.raises(ValueError, match="applies to --method amphista and dflash only"):
         FitOptions(target="t", data=["d"], out="o", method="medusa", target_feature_layers=LAYERS).validate()
 
 
@@ -135,3 +142,106 @@ def test_greedy_equals_plain_with_layered_heads(tiny_llama_dir, layered_heads):
                                                          "num_speculative_tokens": 3, "draft_length": "fixed"})
         assert spec_run["token_ids"] == plain["token_ids"], method
         assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tiny_llama_dir, layered_dataset, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash")
+    result = fit(FitOptions(target=str(tiny_llama_dir), data=[str(layered_dataset)], out=str(root / "drafter"),
+                            state_dir=str(root / "state"), method="dflash", target_feature_layers=LAYERS,
+                            num_heads=3, dflash_layers=2, dflash_anchors=16, draft_vocab_size=200, max_steps=12,
+                            batch_tokens=256, row_tokens=128, eval_fraction=0.0, lr=3e-3, threads=1))
+    return root / "drafter", result
+
+
+def test_dflash_trains_and_saves_in_vllms_format(tiny_llama_dir, layered_dataset, dflash_dir):
+    directory, result = dflash_dir
+    assert sum(result.train_losses[-3:]) < sum(result.train_losses[:3])
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["num_hidden_layers"] == 2
+    assert config["dflash_config"]["target_layer_ids"] == [0, 1]  # vLLM adds one
+    weights = load_file(directory / "model.safetensors")
+    assert weights["lm_head.weight"].shape == (200, 128) and weights["d2t"].dtype == torch.int64
+    assert "layers.1.self_attn.k_norm.weight" in weights and "mask_embedding" not in weights
+    assert torch.load(directory / MASK_EMBEDDING_NAME)["embedding"].shape == (128,)
+    # The mask marker is an id the data never holds.
+    assert all(config["dflash_config"]["mask_token_id"] not in sample.token_ids
+               for sample in Dataset([layered_dataset]).samples)
+    target = load_target(str(tiny_llama_dir))
+    loaded = DFlashMethod.load(directory, target)
+    # The draft vocabulary's lm_head is the target's rows of the d2t-mapped ids, frozen.
+    assert torch.allclose(loaded.lm_head.weight, target.lm_head_weight[loaded.vocab.draft_to_target], atol=0.02)
+    with pytest.raises(ValueError, match="give --target-feature-layers"):
+        FitOptions(target="t", data=["d"], out="o", method="dflash").validate()
+
+
+# In the engine's process: each step's bonus token, the position it takes, and the DFlash drafts.
+RECORD_DFLASH_BODY = """
+import torch
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+propose = runner.drafter.propose
+steps = []
+
+def recorded_propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                     next_token_ids, token_indices_to_sample, common_attn_metadata, *rest, **options):
+    drafts = propose(num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                     next_token_ids, token_indices_to_sample, common_attn_metadata, *rest, **options)
+    rejected = options.get("num_rejected_tokens_gpu")
+    position = int(common_attn_metadata.seq_lens[0]) - (0 if rejected is None else int(rejected[0]))
+    steps.append((position, int(next_token_ids[0]), drafts[0].tolist()))
+    return drafts
+
+runner.drafter.propose = recorded_propose
+outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=40))
+report({"output": list(outputs[0].outputs[0].token_ids), "steps": steps,
+        "aux": runner.use_aux_hidden_state_outputs, "spec": metrics("vllm:spec_decode")})
+"""
+
+
+def test_vllm_dflash_drafts_what_the_reference_drafts(tiny_llama_dir, dflash_dir):
+    """vLLM's own DFlash model and proposer, loading our export, draft at every step the tokens
+    our training-side DFlash drafts from transformers' streams of the same prefix (float32)."""
+    directory, _ = dflash_dir
+    prompt = [12, 40, 41, 12, 40, 41, 12, 40, 41, 12, 57]
+    # Every weight moved apart (norm weights of the two layers differ widely), so a kernel that mixed
+    # up layers or rows would draft differently.
+    target = load_target(str(tiny_llama_dir))
+    reference = DFlashMethod.load(directory, target)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            scale = 0.5 if name.endswith("norm.weight") else 0.05
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    directory = directory.parent / "moved"
+    reference.save(directory, dtype=torch.float32)
+    reference.eval()
+    run = run_llm(tiny_llama_dir, RECORD_DFLASH_BODY, {"method": "dflash", "model": str(directory),
+                                                       "num_speculative_tokens": 3},
+                  args={"prompt": prompt})
+    assert run["aux"] and len(run["steps"]) >= 10
+    ids = torch.tensor([prompt + run["output"]])
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        features = target_features(model, ids, LAYERS)
+        length = ids.shape[1]
+        batch = Batch(hidden=features, token_ids=ids, next_token_ids=F.pad(ids[:, 1:], (0, 1)),
+                      position_ids=torch.arange(length)[None], segment_ids=torch.ones_like(ids),
+                      has_hidden=torch.ones_like(ids, dtype=torch.bool), labels=None, label_topk_ids=None,
+                      label_topk_logprobs=None)
+        rows = torch.zeros_like(ids, dtype=torch.bool)
+        rows[0, len(prompt) - 1:-1] = True  # anchors p = t + 1: the first output token onwards
+        drafts = reference.vocab.to_target_ids(reference.head_logits(batch, target, rows).argmax(dim=-1))
+    first_anchor = len(prompt)
+    for position, bonus, engine_drafts in run["steps"]:
+        assert ids[0, position] == bonus, f"step bookkeeping: position {position} does not hold the bonus token"
+        assert engine_drafts == drafts[position - first_anchor].tolist(), f"drafts differ at anchor {position}"
+
+
+def test_greedy_equals_plain_with_dflash(tiny_llama_dir, dflash_dir):
+    requests = [{"prompt_token_ids": [12 + (i * 7 + j) % 40 for j in range(5 + 9 * i)] * 2, "max_tokens": 32}
+                for i in range(6)]
+    plain = run_engine(tiny_llama_dir, requests)
+    spec_run = run_engine(tiny_llama_dir, requests, {"method": "dflash", "model": str(dflash_dir[0]),
+                                                     "num_speculative_tokens": 3})
+    assert spec_run["token_ids"] == plain["token_ids"]
+    assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0

@@ -32,7 +32,7 @@ FIT_HELP = {
     "data": "dataset directories written by `generate`",
     "out": "output directory: the drafter (config.json + model.safetensors) and training/ state",
     "method": "drafter to train",
-    "num_heads": "K: heads (Amphista, Medusa) or chained steps evaluated (EAGLE)",
+    "num_heads": "K: heads (Amphista, Medusa), chained steps evaluated (EAGLE) or block drafts (DFlash)",
     "num_near_heads": "Amphista: heads reading stage 1, the rest read stage 2 (None = K//2)",
     "stage_layers": "Amphista: decoder layers per adaptation stage",
     "encoder_layers": "Amphista: Auto-embedding Block encoder layers",
@@ -40,10 +40,12 @@ FIT_HELP = {
     "no_stages": "Amphista ablation: no staged adaptation layers",
     "no_sampled_token": "Amphista ablation: do not fuse the sampled token's embedding",
     "train_lm_head": "Amphista: train an own lm_head instead of sharing the target's",
-    "target_feature_layers": "Amphista: read the residual streams after these numbers of target layers "
-                             "instead of the final-norm output (data from `features --feature-layers`)",
+    "target_feature_layers": "Amphista, DFlash: read the residual streams after these numbers of target layers "
+                             "(Amphista: instead of the final-norm output; data from `features --feature-layers`)",
     "medusa_layers": "Medusa: residual layers per head",
     "eagle_ce_weight": "EAGLE: weight of the token loss next to the feature regression",
+    "dflash_layers": "DFlash: decoder layers of the block drafter",
+    "dflash_anchors": "DFlash: anchors (drafted blocks) trained per packed row and step",
     "objective": "hard: cross-entropy with the target's token; distill: with its top-k distribution",
     "valid_prefix": "head k learns only where heads 1..k-1 draft the target's tokens (the chain a verifier "
                     "accepts; SpecBlock's valid-prefix mask)",

