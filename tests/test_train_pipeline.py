@@ -19,6 +19,7 @@ from conftest import (
     build_tiny_llama,
     build_tiny_tokenizer,
     run_engine,
+    tiny_samples,
     write_jsonl,
 )
 from safetensors.torch import load_file
@@ -384,6 +385,44 @@ def test_curve_replays_every_heads_dir_on_the_same_answers(tiny_llama_dir, datas
     low, high = sorted([by_category["writing"], by_category["coding"]])
     assert low <= points[0]["heads_tau_mt_bench"] <= high
     assert "| 1,000 | 3 steps |" in (out / "curve.md").read_text() and (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_adapt_fine_tunes_heads_on_recorded_traffic(tiny_llama_dir, dataset_dir, trained_heads, tmp_path):
+    """A recording (as `record_traffic` writes it) of the target's own answers: `adapt` prefills
+    it, fine-tunes the heads from their weights with the original data mixed in, and a rerun
+    finds everything done; an empty recording or one with ids past the vocabulary is refused."""
+    from vllm_amphista.traffic import TrafficRecorder
+
+    recording = tmp_path / "traffic"
+    recorder = TrafficRecorder(recording)
+    for sample in tiny_samples(tiny_llama_dir, 20, output_len=30, seed=3):
+        recorder.record(sample["prompt_ids"], sample["output_ids"])
+    recorder.close()
+    command = ["adapt", "--target", str(tiny_llama_dir), "--recording", str(recording), "--heads",
+               str(trained_heads["amphista"]), "--original-data", str(dataset_dir), "--out", str(tmp_path / "adapted"),
+               "--work-dir", str(tmp_path / "work"), "--batch-tokens", "256", "--row-tokens", "128", "--dtype", "float32",
+               "--max-model-len", "256"]
+    completed = run_train_cli(command)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "fine-tuned" in completed.stdout
+    before = load_file(trained_heads["amphista"] / "model.safetensors")
+    after = load_file(tmp_path / "adapted" / "model.safetensors")
+    assert set(before) == set(after) and torch.equal(before["draft_to_target"], after["draft_to_target"])
+    assert not torch.equal(before["fuse.weight"], after["fuse.weight"])
+    metrics = json.loads((tmp_path / "work" / "fit" / "metrics.json").read_text())
+    assert metrics["steps"] > 0 and not metrics["stopped_early"]
+    rerun = run_train_cli(command)
+    assert rerun.returncode == 0 and f"fine-tuned {metrics['steps']} steps" in rerun.stdout
+
+    (tmp_path / "empty").mkdir()
+    refused = run_train_cli([*command[:3], "--recording", str(tmp_path / "empty"), *command[5:]])
+    assert refused.returncode == 2 and "the recording is empty" in refused.stderr
+    foreign = tmp_path / "foreign"
+    recorder = TrafficRecorder(foreign)
+    recorder.record([5, 6, 7], [100000, 8])
+    recorder.close()
+    refused = run_train_cli([*command[:3], "--recording", str(foreign), *command[5:]])
+    assert refused.returncode == 2 and "recorded with another target" in refused.stderr
 
 
 def test_exports_are_in_vllm_formats(trained_heads):

@@ -1,4 +1,4 @@
-"""Command line: python -m vllm_amphista.train {mix,generate,features,export-tokens,fit,eval,curve} --help
+"""Command line: python -m vllm_amphista.train {mix,generate,features,export-tokens,fit,eval,curve,adapt} --help
 
 `fit` and `eval` flags mirror the fields of FitOptions / EvalOptions (one
 flag per field, dashes for underscores; a boolean that defaults to True is
@@ -50,6 +50,10 @@ FIT_HELP = {
     "valid_prefix": "head k learns only where heads 1..k-1 draft the target's tokens (the chain a verifier "
                     "accepts; SpecBlock's valid-prefix mask)",
     "draft_vocab_size": "draft vocabulary: the N most frequent output tokens (0 = the full vocabulary)",
+    "mix_data": "dataset directories mixed into the training samples (not the held-out slice): fine-tuning "
+                "keeps a share of the data the heads learned from",
+    "mix_fraction": "share of the training samples drawn from --mix-data",
+    "init_heads": "start from these heads (same method, their shape and vocabulary): fine-tuning",
     "max_output_tokens": "train on the leading samples up to this many output tokens (learning curves; "
                          "the held-out slice is unchanged)",
     "train_on_prompt": "also learn at prompt positions, not only on the target's outputs (hard objective)",
@@ -209,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     curve.add_arguments(commands.add_parser(
         "curve", help="tau of heads dirs trained on more and more data, by greedy replay on held-out "
                       "Spec-Bench answers (table and plot)"))
+    from vllm_amphista.train import adapt
+
+    adapt.add_arguments(commands.add_parser(
+        "adapt", help="fine-tune served heads on the traffic they recorded (record_traffic), resumable"))
     return parser
 
 
@@ -350,6 +358,11 @@ def main(argv: list[str] | None = None) -> None:
             from vllm_amphista.train.curve import run_curve
 
             run_curve(args)
+        elif args.command == "adapt":
+            from vllm_amphista.train.adapt import run_adapt
+
+            result = run_adapt(args)
+            print(f"fine-tuned {result.steps} steps in {result.seconds:.0f} s; heads saved to {args.out}")
         else:
             evaluate(EvalOptions(**options))
     except (ValueError, FileNotFoundError) as error:  # DataError is a ValueError

@@ -255,8 +255,10 @@ class Dataset:
         self.feature_layers = feature_layers
         self.samples: list[Sample] = []
         self._locations: list[tuple[Path, int]] = []  # (tensors file, row in shard)
+        self.directory_sizes: list[int] = []  # samples of each directory, in order
         for directory in directories:
             directory = Path(directory)
+            first = len(self.samples)
             shards = complete_shards(directory)
             if not shards:
                 raise DataError(f"{directory}: no complete shard (run `python -m vllm_amphista.train generate`)")
@@ -266,6 +268,7 @@ class Dataset:
                 for row, line in enumerate(lines):
                     self.samples.append(sample_from_record(json.loads(line), f"{stem}.jsonl: line {row + 1}"))
                     self._locations.append((stem.with_suffix(".safetensors"), row))
+            self.directory_sizes.append(len(self.samples) - first)
         self._open: dict[Path, tuple[object, torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:

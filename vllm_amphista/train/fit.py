@@ -44,7 +44,7 @@ from vllm_amphista.train.eagle import EagleMethod
 from vllm_amphista.train.evaluate import HeadAccuracy, head_accuracy
 from vllm_amphista.train.generate import DTYPES
 from vllm_amphista.train.medusa import MedusaMethod
-from vllm_amphista.train.methods import METHOD_CLASSES, METHODS
+from vllm_amphista.train.methods import METHOD_CLASSES, METHODS, detect_method, load_heads
 from vllm_amphista.train.target import load_target
 
 STATE_NAME = "state.pt"
@@ -70,6 +70,7 @@ class FitOptions:
     no_sampled_token: bool = False
     train_lm_head: bool = False
     target_feature_layers: list[int] | None = None
+    init_heads: str | None = None
     # Baselines
     medusa_layers: int = 1
     eagle_ce_weight: float = 0.1
@@ -80,6 +81,8 @@ class FitOptions:
     valid_prefix: bool = False
     draft_vocab_size: int = 0
     max_output_tokens: int | None = None
+    mix_data: list[str] | None = None
+    mix_fraction: float = 0.3
     train_on_prompt: bool = False
     row_tokens: int = 1024
     eval_fraction: float = 0.02
@@ -120,6 +123,8 @@ class FitOptions:
             raise ValueError("--method dflash reads several target layers: give --target-feature-layers")
         if self.num_heads < 1:
             raise ValueError(f"--num-heads must be >= 1, got {self.num_heads}")
+        if not 0.0 <= self.mix_fraction < 1.0:
+            raise ValueError(f"--mix-fraction must be in [0, 1), got {self.mix_fraction}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
         if self.save_dtype not in DTYPES:
@@ -246,14 +251,26 @@ def fit(options: FitOptions) -> FitResult:
     precision = autocast_dtype(options)
     precision_name = "float32" if precision is None else "bfloat16"
 
-    dataset = Dataset(options.data, options.target_feature_layers)
+    init_method = None
+    if options.init_heads:
+        init_method = detect_method(options.init_heads)
+        if init_method != options.method:
+            raise ValueError(f"--init-heads {options.init_heads} holds {init_method} heads, not {options.method}")
+    dataset = Dataset(options.data + (options.mix_data or []), options.target_feature_layers)
     target = load_target(options.target)
-    check_token_ids(dataset.samples, target.vocab_size, ", ".join(options.data))
+    check_token_ids(dataset.samples, target.vocab_size, ", ".join(options.data + (options.mix_data or [])))
     target = target.to(options.device)
-    train_indices, eval_indices = split_indices(len(dataset), options.eval_fraction, options.seed,
+    num_own = sum(dataset.directory_sizes[:len(options.data)])
+    train_indices, eval_indices = split_indices(num_own, options.eval_fraction, options.seed,
                                                 options.max_eval_samples)
     if options.max_output_tokens is not None:
         train_indices = leading_samples(dataset, train_indices, options.max_output_tokens)
+    if options.mix_data:
+        # --mix-data samples make up mix_fraction of the training samples (a seeded choice).
+        wanted = round(options.mix_fraction / (1 - options.mix_fraction) * len(train_indices))
+        mixed = list(range(num_own, len(dataset)))
+        random.Random(options.seed).shuffle(mixed)
+        train_indices = sorted(train_indices + mixed[:wanted])
 
     out, state_dir = Path(options.out), state_directory(options)
     state_path = state_dir / STATE_NAME
@@ -268,6 +285,11 @@ def fit(options: FitOptions) -> FitResult:
         target.check_matches(state["hidden_size"], state["vocab_size"], str(state_path))
         method = METHOD_CLASSES[options.method].from_spec(state["spec"], target)
         method.load_state_dict(state["model"])
+    elif options.init_heads:
+        method = load_heads(options.init_heads, target)
+        if method.feature_layers != options.target_feature_layers:
+            raise ValueError(f"--init-heads {options.init_heads} reads target layers {method.feature_layers}: "
+                             f"give the same --target-feature-layers")
     else:
         draft_to_target = None
         if options.draft_vocab_size:
