@@ -280,7 +280,7 @@ def test_config_from_target():
     llama = config.to_llama_config()
     assert (llama.num_key_value_heads, llama.intermediate_size, llama.num_hidden_layers) == (3, 1536, 2)
     assert llama.rope_parameters["rope_theta"] == 100000.0
-    assert config.target_feature_layers is None and config.feature_size == 576  # h_t alone, as before
+    assert config.target_feature_layers is None and config.feature_size == 576  # h_t alone
     layered = AmphistaConfig.from_target_config(target, target_feature_layers=[2, 15, 30])
     assert layered.feature_size == 3 * 576 and layered.eagle_aux_hidden_state_layer_ids == [2, 15, 30]
     with pytest.raises(ValueError, match="reach past the target's 30 layers"):

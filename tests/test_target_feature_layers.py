@@ -69,6 +69,16 @@ def test_features_records_each_layers_stream(tiny_llama_dir, layered_dataset):
         final.with_feature_layers([3]).tensors(0)
 
 
+def test_feature_layers_must_be_in_the_order_vllm_runs_them(tiny_llama_dir, tmp_path):
+    from vllm_amphista.train.data import Sample
+    from vllm_amphista.train.generate import generate_dataset
+
+    for layers in ([2, 1], [1, 1], [1, 3]):
+        with pytest.raises(ValueError, match=r"ascending distinct layer counts in 1\.\.2"):
+            generate_dataset(str(tiny_llama_dir), tmp_path, token_samples=[Sample([12, 13], [14])],
+                             feature_layers=layers)
+
+
 def test_fit_trains_heads_that_read_the_layers(tiny_llama_dir, layered_dataset, tmp_path):
     result = fit(FitOptions(target=str(tiny_llama_dir), data=[str(layered_dataset)], out=str(tmp_path / "heads"),
                             state_dir=str(tmp_path / "state"), target_feature_layers=LAYERS, num_heads=3,

@@ -413,6 +413,11 @@ def test_adapt_fine_tunes_heads_on_recorded_traffic(tiny_llama_dir, dataset_dir,
     assert metrics["steps"] > 0 and not metrics["stopped_early"]
     rerun = run_train_cli(command)
     assert rerun.returncode == 0 and f"fine-tuned {metrics['steps']} steps" in rerun.stdout
+    recorder = TrafficRecorder(recording)  # the recording grows: the work dir no longer matches it
+    recorder.record([5, 6, 7], [8, 9])
+    recorder.close()
+    changed = run_train_cli(command)
+    assert changed.returncode == 2 and "changed since" in changed.stderr
 
     (tmp_path / "empty").mkdir()
     refused = run_train_cli([*command[:3], "--recording", str(tmp_path / "empty"), *command[5:]])

@@ -234,18 +234,16 @@ class FeatureCombiner(nn.Module):
 def target_features(target: nn.Module, token_ids: torch.Tensor, layers: list[int] | None) -> torch.Tensor:
     """[B, T] ids -> [B, T, n*H] the features a drafter with `target_feature_layers` = `layers` reads,
     from a transformers causal LM (the final-norm output when `layers` is None)."""
-    outputs = target.model(token_ids, output_hidden_states=True)
+    # transformers' last hidden state is after the final norm; the stream entering it is caught too.
+    pre_norm = {}
+    handle = target.model.norm.register_forward_hook(lambda module, inputs, output: pre_norm.update(x=inputs[0]))
+    try:
+        outputs = target.model(token_ids, output_hidden_states=True)
+    finally:
+        handle.remove()
     if layers is None:
         return outputs.last_hidden_state
     num_layers = len(outputs.hidden_states) - 1
-    # transformers' last entry is after the final norm; the stream entering it is needed instead.
-    pre_norm = {}
-    if num_layers in layers:
-        handle = target.model.norm.register_forward_hook(lambda module, inputs, output: pre_norm.update(x=inputs[0]))
-        try:
-            target.model(token_ids)
-        finally:
-            handle.remove()
     return torch.cat([pre_norm["x"] if layer == num_layers else outputs.hidden_states[layer] for layer in layers],
                      dim=-1)
 

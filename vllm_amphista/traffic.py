@@ -4,7 +4,8 @@ output token ids (no text, no hidden states), written off the serving path. Impo
 A recording is a directory of shards `traffic-<start>-<pid>-<random>-<n>.jsonl`, one request per line
 ({"prompt_ids", "output_ids"}), readable by the owner only (0600, in a 0700 directory when it is
 created here). A shard is flushed after every request and rotated at `shard_bytes`; a restarted
-server adds new shards and counts the old ones against the budget. Serving never waits on the
+server adds new shards and counts the old ones against the budget (so do servers sharing the
+directory, each time one rotates a shard). Serving never waits on the
 recording or fails by it: requests are handed to a writer thread through a bounded queue (when it
 is full, requests go unrecorded and one warning says so), and when the directory's recordings reach
 `max_bytes`, or a write fails (unwritable directory, full disk), recording stops with one warning.
@@ -20,6 +21,7 @@ import queue
 import threading
 import time
 import uuid
+from array import array
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,8 @@ logger = logging.getLogger(__name__)
 SHARD_GLOB = "traffic-*.jsonl"
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_SHARD_BYTES = 64 << 20
-QUEUE_REQUESTS = 4096
+# Requests waiting for the writer, as int32 arrays: at most a few hundred MB for long requests.
+QUEUE_REQUESTS = 1024
 
 
 def recording_bytes(directory: str | os.PathLike) -> int:
@@ -52,7 +55,7 @@ class TrafficRecorder:
         if self.stopped_because is not None:
             return
         try:
-            self._queue.put_nowait((list(prompt_ids), list(output_ids)))
+            self._queue.put_nowait((array("i", prompt_ids), array("i", output_ids)))
         except queue.Full:
             self.dropped += 1
             if not self._warned_full_queue:
@@ -80,14 +83,16 @@ class TrafficRecorder:
             while (item := self._queue.get()) is not None:
                 if self.stopped_because is not None:
                     continue  # drain, so close() returns
-                line = (json.dumps({"prompt_ids": item[0], "output_ids": item[1]}, separators=(",", ":"))
-                        + "\n").encode()
+                line = (json.dumps({"prompt_ids": item[0].tolist(), "output_ids": item[1].tolist()},
+                                   separators=(",", ":")) + "\n").encode()
                 if total + len(line) > self.max_bytes:
                     self._stop(f"{self.directory} holds its budget of {self.max_bytes} bytes (record_max_bytes)")
                     continue
                 if shard is None or shard_size + len(line) > self.shard_bytes:
                     if shard is not None:
                         os.close(shard)
+                        # Other servers may record into the same directory: count theirs too.
+                        total = recording_bytes(self.directory)
                     path = self.directory / f"{self._prefix}-{shard_index:05d}.jsonl"
                     shard = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
                     shard_size, shard_index = 0, shard_index + 1
@@ -97,7 +102,7 @@ class TrafficRecorder:
                 shard_size += written
                 total += written
                 self.recorded += 1
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - whatever fails, serving must not
             self._stop(f"cannot write to {self.directory}: {error}")
             while self._queue.get() is not None:
                 pass
@@ -122,6 +127,10 @@ def read_recording(directory: str | os.PathLike) -> list[dict]:
                 if number == len(lines) - 1:
                     continue
                 raise ValueError(f"{path}: line {number + 1} is not JSON") from None
+            if not (isinstance(record, dict) and isinstance(record.get("prompt_ids"), list)
+                    and isinstance(record.get("output_ids"), list)):
+                raise ValueError(f"{path}: line {number + 1} is not a recorded request "
+                                 "({\"prompt_ids\": [...], \"output_ids\": [...]})")
             records.append(record)
     if not records:
         raise ValueError(f"{directory}: the recording is empty (no requests in {SHARD_GLOB})")

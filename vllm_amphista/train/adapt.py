@@ -16,6 +16,7 @@ vocabulary (made with another target), is refused before any work.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from vllm_amphista.prompts import DataError
@@ -55,6 +56,21 @@ def recorded_samples(recording: str, vocab_size: int) -> list[Sample]:
     return samples
 
 
+def check_same_recording(work: Path, recording: str) -> None:
+    """The work dir's features and state follow the recording's sample order: a recording that grew
+    or changed since would silently mix them up, so it is refused."""
+    from vllm_amphista.traffic import SHARD_GLOB
+
+    shards = sorted((path.name, path.stat().st_size) for path in Path(recording).glob(SHARD_GLOB))
+    fingerprint = work / "recording.json"
+    if fingerprint.is_file():
+        if [tuple(shard) for shard in json.loads(fingerprint.read_text())] != shards:
+            raise ValueError(f"{recording} changed since {work} was made from it: give a new --work-dir")
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    fingerprint.write_text(json.dumps(shards))
+
+
 def run_adapt(args: argparse.Namespace):
     from transformers import AutoConfig
 
@@ -67,6 +83,7 @@ def run_adapt(args: argparse.Namespace):
     samples = recorded_samples(args.recording, target_config.vocab_size)
     heads_config = AmphistaConfig.from_pretrained(args.heads)
     work = Path(args.work_dir or Path(".cache/adapt") / Path(args.out).name)
+    check_same_recording(work, args.recording)
     features = work / "features"
     generate_dataset(args.target, features, token_samples=samples, dtype=args.dtype or choose_cpu_dtype().dtype,
                      max_model_len=args.max_model_len, concurrency=64, shard_size=256,

@@ -59,34 +59,35 @@ def run_curve(args: argparse.Namespace) -> dict:
     points = []
     for heads, tokens, note in zip(args.heads, args.output_tokens, args.notes or [""] * len(args.heads)):
         drafter = AmphistaDrafter.from_pretrained(heads, dtype=torch.float32).eval()
-        chains = [head_chains(target, drafter, record["prompt_ids"] + record["output_ids"]) for record in records]
-        by_record = {id(record): record_chains for record, record_chains in zip(records, chains)}
+        chains = {id(record): head_chains(target, drafter, record["prompt_ids"] + record["output_ids"])
+                  for record in records}
         taus = {rule: tau_by_category(records, lambda record, rule=rule: hybrid_steps(
-                    record, by_record[id(record)], rule, NGRAM_WEIGHT, args.k, max_n))
+                    record, chains[id(record)], rule, NGRAM_WEIGHT, args.k, max_n))
                 for rule in ("heads", HYBRID_RULE)}
         points.append({"heads": heads, "output_tokens": tokens, "note": note,
                        "heads_tau": taus["heads"], "hybrid_tau": taus[HYBRID_RULE],
                        "heads_tau_mt_bench": _mt_bench(records, taus["heads"]),
                        "hybrid_tau_mt_bench": _mt_bench(records, taus[HYBRID_RULE])})
-    table = _table(points, len(records))
+    table = _table(points, len(records), args.k)
     print(table)
     out = Path(args.out)
     (out / "curve.md").write_text(table + "\n")
     (out / "curve.json").write_text(json.dumps(points, indent=1))
     if args.plot:
-        _plot(points, args.plot)
+        _plot(points, args.plot, args.k)
     return {"points": points}
 
 
 def _mt_bench(records: list[dict], taus: dict[str, float]) -> float:
-    """tau over the MT-Bench categories together (weighted by tokens, as "all" is)."""
-    tokens = {c: sum(len(r["output_ids"]) for r in records if r["category"] == c) for c in MT_BENCH_CATEGORIES}
-    steps = sum(tokens[c] / taus[c] for c in MT_BENCH_CATEGORIES if c in taus)
-    return sum(tokens[c] for c in MT_BENCH_CATEGORIES if c in taus) / steps
+    """tau over the MT-Bench categories together (weighted by tokens, as "all" is); NaN without them."""
+    present = [c for c in MT_BENCH_CATEGORIES if c in taus]
+    tokens = {c: sum(len(r["output_ids"]) for r in records if r["category"] == c) for c in present}
+    steps = sum(tokens[c] / taus[c] for c in present)
+    return sum(tokens.values()) / steps if steps else float("nan")
 
 
-def _table(points: list[dict], num_records: int) -> str:
-    lines = [f"tau by greedy replay of {num_records} Spec-Bench first-turn answers (K=4; hybrid: the deployed "
+def _table(points: list[dict], num_records: int, k: int) -> str:
+    lines = [f"tau by greedy replay of {num_records} Spec-Bench first-turn answers (K={k}; hybrid: the deployed "
              f"{HYBRID_RULE!r} rule)", "",
              "| heads | output tokens | note | heads, MT-Bench | heads, all | hybrid, MT-Bench | hybrid, all |",
              "|---|---|---|---|---|---|---|"]
@@ -97,7 +98,7 @@ def _table(points: list[dict], num_records: int) -> str:
     return "\n".join(lines)
 
 
-def _plot(points: list[dict], path: str) -> None:
+def _plot(points: list[dict], path: str, k: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +113,7 @@ def _plot(points: list[dict], path: str) -> None:
         axis.plot(tokens, values, marker="o", label=label)
     axis.set_xscale("log")
     axis.set_xlabel("output tokens trained on")
-    axis.set_ylabel("tau (greedy replay, K=4)")
+    axis.set_ylabel(f"tau (greedy replay, K={k})")
     axis.grid(True, alpha=0.3)
     axis.legend()
     figure.tight_layout()

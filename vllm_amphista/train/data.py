@@ -235,6 +235,19 @@ def shard_feature_layers(directory: str | os.PathLike, index: int) -> list[int]:
         return _stored_feature_layers(handle)
 
 
+def _check_feature_layers(path: Path, feature_layers: list[int], handle=None) -> list[int]:
+    """The layers a shard's tensors file stores; DataError if `feature_layers` are not all there."""
+    if handle is None:
+        with safe_open(str(path), framework="pt") as opened:
+            return _check_feature_layers(path, feature_layers, opened)
+    stored = _stored_feature_layers(handle)
+    missing = [layer for layer in feature_layers if layer not in stored]
+    if missing:
+        raise DataError(f"{path}: has the streams of target layers {stored or 'none'}, not {missing}: "
+                        f"rebuild it with `train features --feature-layers ...`")
+    return stored
+
+
 def _stored_feature_layers(handle) -> list[int]:
     stored = (handle.metadata() or {}).get(FEATURE_LAYERS_KEY, "")
     return [int(layer) for layer in stored.split(",")] if stored else []
@@ -264,12 +277,15 @@ class Dataset:
                 raise DataError(f"{directory}: no complete shard (run `python -m vllm_amphista.train generate`)")
             for index in shards:
                 stem = shard_stem(directory, index)
+                if feature_layers:
+                    _check_feature_layers(stem.with_suffix(".safetensors"), feature_layers)
                 lines = stem.with_suffix(".jsonl").read_text().splitlines()
                 for row, line in enumerate(lines):
                     self.samples.append(sample_from_record(json.loads(line), f"{stem}.jsonl: line {row + 1}"))
                     self._locations.append((stem.with_suffix(".safetensors"), row))
             self.directory_sizes.append(len(self.samples) - first)
-        self._open: dict[Path, tuple[object, torch.Tensor, torch.Tensor]] = {}
+        # tensors file -> (handle, hidden offsets, output offsets, columns of the asked layers or None)
+        self._open: dict[Path, tuple] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -285,11 +301,7 @@ class Dataset:
             handle = safe_open(str(path), framework="pt")
             columns = None
             if self.feature_layers:
-                stored = _stored_feature_layers(handle)
-                missing = [layer for layer in self.feature_layers if layer not in stored]
-                if missing:
-                    raise DataError(f"{path}: has the streams of target layers {stored or 'none'}, not {missing}: "
-                                    f"rebuild it with `train features --feature-layers ...`")
+                stored = _check_feature_layers(path, self.feature_layers, handle)
                 width = handle.get_slice("hidden").get_shape()[-1]
                 columns = torch.cat([torch.arange(width) + stored.index(layer) * width
                                      for layer in self.feature_layers])

