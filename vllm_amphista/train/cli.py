@@ -255,7 +255,8 @@ def measure_roofline(target: str, dtype: torch.dtype = torch.float32) -> float:
     return matmul_flops_per_second(AutoConfig.from_pretrained(target).get_text_config(), dtype=dtype)
 
 
-def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token: bool, roofline: float) -> None:
+def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token: bool, roofline: float,
+                   dtype_name: str) -> None:
     """The stage's tokens/s against the matmul roofline measured in the same command."""
     from transformers import AutoConfig
 
@@ -268,7 +269,7 @@ def print_roofline(stage: str, target: str, totals: dict, logits_for_every_token
     logit_tokens = totals["tokens"] if logits_for_every_token else totals["output_tokens"]
     flops = totals["tokens"] * body + logit_tokens * (with_logits - body)
     tokens_per_second = totals["tokens"] / totals["seconds"]
-    print(roofline_line(stage, tokens_per_second, flops / totals["tokens"], roofline))
+    print(roofline_line(stage, tokens_per_second, flops / totals["tokens"], roofline, dtype_name))
 
 
 def run_features(args: argparse.Namespace) -> None:
@@ -281,7 +282,7 @@ def run_features(args: argparse.Namespace) -> None:
         concurrency=args.concurrency, shard_size=args.shard_size, enforce_eager=args.enforce_eager,
         feature_layers=args.feature_layers)
     print(json.dumps(totals))
-    print_roofline("features (prefill with every position's logits)", args.target, totals, True, roofline)
+    print_roofline("features (prefill with every position's logits)", args.target, totals, True, roofline, args.dtype)
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -305,7 +306,7 @@ def run_generate(args: argparse.Namespace) -> None:
                                       str(record.get("category", Path(path).stem)), conversation))
         totals = generate_module.generate_dataset(args.target, args.out, conversations=conversations, **options)
     print(json.dumps(totals))
-    print_roofline("generate (prompts and answers)", args.target, totals, bool(args.tokens), roofline)
+    print_roofline("generate (prompts and answers)", args.target, totals, bool(args.tokens), roofline, args.dtype)
 
 
 def run_fit(options: FitOptions) -> None:
