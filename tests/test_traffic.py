@@ -135,3 +135,16 @@ def test_refused_writes_stop_recording_not_serving(tiny_llama_dir, random_heads_
     assert 0 < run["recorded"] < len(REQUESTS) and "cannot write" in run["stopped_because"]
     assert len(run["warnings"]) == 1
     assert len(read_recording(tmp_path / "traffic")) == run["recorded"]  # the refused line is not half-read
+
+
+def test_stdlib_domain_halves_share_no_module(tmp_path):
+    from vllm_amphista.prompts import load_prompts
+    from vllm_amphista.train.stdlib_prompts import build
+
+    counts = build(str(tmp_path), per_module=5)
+    halves = {half: [json.loads(line) for line in (tmp_path / f"{half}.jsonl").read_text().splitlines()]
+              for half in ("served", "test")}
+    assert counts == {half: len(records) for half, records in halves.items()} and min(counts.values()) > 100
+    assert not {r["module"] for r in halves["served"]} & {r["module"] for r in halves["test"]}
+    prompts = load_prompts(tmp_path / "test.jsonl")  # a question file, as the benchmark reads it
+    assert all(prompt.count('"""') == 2 and "def " in prompt for prompt in prompts)

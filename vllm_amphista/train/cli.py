@@ -1,4 +1,5 @@
-"""Command line: python -m vllm_amphista.train {mix,generate,features,export-tokens,fit,eval,curve,adapt} --help
+"""Command line: python -m vllm_amphista.train {mix,generate,features,export-tokens,fit,eval,curve,adapt,
+stdlib-prompts} --help
 
 `fit` and `eval` flags mirror the fields of FitOptions / EvalOptions (one
 flag per field, dashes for underscores; a boolean that defaults to True is
@@ -213,10 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     curve.add_arguments(commands.add_parser(
         "curve", help="tau of heads dirs trained on more and more data, by greedy replay on held-out "
                       "Spec-Bench answers (table and plot)"))
-    from vllm_amphista.train import adapt
+    from vllm_amphista.train import adapt, stdlib_prompts
 
     adapt.add_arguments(commands.add_parser(
         "adapt", help="fine-tune served heads on the traffic they recorded (record_traffic), resumable"))
+    stdlib_prompts.add_arguments(commands.add_parser(
+        "stdlib-prompts", help="a code domain from this Python's standard library, split by module into a "
+                               "served half and a test half"))
     return parser
 
 
@@ -359,6 +363,10 @@ def main(argv: list[str] | None = None) -> None:
             from vllm_amphista.train.curve import run_curve
 
             run_curve(args)
+        elif args.command == "stdlib-prompts":
+            from vllm_amphista.train.stdlib_prompts import build
+
+            print(json.dumps(build(args.out_dir, args.per_module, args.max_docstring_lines)))
         elif args.command == "adapt":
             from vllm_amphista.train.adapt import run_adapt
 
