@@ -32,10 +32,21 @@ same `model.safetensors` as `modeling_amphista.AmphistaDrafter`.
 `forward` runs the stages over every scheduled token and returns both stages'
 outputs side by side, `[num_tokens, 2H]`; `draft_token_ids` turns the rows at
 each request's last position into K draft tokens in one pass.
+
+Steps that draft nothing (K=0, chosen by the load-aware draft length) skip the
+stages: each request keeps the stage inputs of the positions it skipped, and
+the next pass over its rows first runs those positions as one short prefill
+(`_catch_up`), so the stages' KV is what running every step would have written.
+A request's backlog is bounded (`MAX_DEFERRED_POSITIONS`): a long K=0 stretch
+runs the stages once per that many steps. Only decode steps are deferred, so a
+prompt's stage KV is always written when its prefill runs; what a request
+leaves unpaid when it finishes is KV of its generated tokens, which only a
+later prompt that repeats them (prefix caching) would read, for drafting only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -58,6 +69,10 @@ from vllm_amphista.vllm.config import draft_length_mode
 # With a load-aware draft length, a request's draft stops where the product of its heads'
 # probabilities for their own tokens falls below this: unlikely tokens are not verified for nothing.
 MIN_DRAFT_CONFIDENCE = 0.1
+
+# How many positions a request's stages may fall behind on steps that draft nothing before they
+# catch up anyway: bounds the catch-up pass and the stored inputs.
+MAX_DEFERRED_POSITIONS = 16
 
 # Checkpoint (HF) projection names -> vLLM's fused parameter and shard.
 _STACKED_PARAMS = (
@@ -251,12 +266,41 @@ class AmphistaDrafterForVLLM(nn.Module):
         return loaded | {n for n in params if n.startswith("model.embed_tokens")}
 
 
+@dataclasses.dataclass
+class DeferredStageRows:
+    """A request's stage inputs for consecutive positions the stages have not run yet."""
+
+    first_position: int
+    token_ids: torch.Tensor  # [m] the token sampled after each position
+    hidden_states: torch.Tensor  # [m, H] the target's (combined) features at each position
+
+    @property
+    def end_position(self) -> int:
+        return self.first_position + self.token_ids.shape[0]
+
+    def before(self, position: int) -> DeferredStageRows | None:
+        """The rows before `position`, where this step's rows begin (rows at or past it were
+        rejected drafts, or come again); None if none are left or the rows do not lead up to it."""
+        if not self.first_position < position <= self.end_position:
+            return None
+        keep = position - self.first_position
+        return DeferredStageRows(self.first_position, self.token_ids[:keep], self.hidden_states[:keep])
+
+
 class AmphistaProposer(EagleProposer):
-    def __init__(self, vllm_config, *args, **kwargs):
-        super().__init__(vllm_config, *args, **kwargs)
+    def __init__(self, vllm_config, device, runner):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner
         # Per-request lengths need list drafts; async scheduling reads them as one [B, K] tensor.
         self.truncate_drafts = (draft_length_mode(vllm_config.speculative_config) == "adaptive"
                                 and not vllm_config.scheduler_config.async_scheduling)
+        parallel = vllm_config.parallel_config
+        # With data or context parallelism a rank that skips its stages would leave the others
+        # waiting in the pass's collectives.
+        self.defer_idle_stages = (parallel.data_parallel_size == 1
+                                  and parallel.decode_context_parallel_size == 1
+                                  and parallel.prefill_context_parallel_size == 1)
+        self.deferred: dict[str, DeferredStageRows] = {}
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args,
@@ -265,6 +309,10 @@ class AmphistaProposer(EagleProposer):
             return token_ids
         lengths = (confidence.cumprod(dim=1) >= MIN_DRAFT_CONFIDENCE).sum(dim=1).tolist()
         return [row[:length] for row, length in zip(token_ids.tolist(), lengths)]
+
+    def drop_finished(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.deferred.pop(req_id, None)
 
     def draft_with_confidence(
         self,
@@ -287,18 +335,44 @@ class AmphistaProposer(EagleProposer):
         self._last_draft_probs = None
         if self.model.combine is not None:  # [N, n*H] target layers -> [N, H], as EAGLE-3 combines them
             target_hidden_states = self.model.combine(target_hidden_states)
+        cad = common_attn_metadata
+        req_ids = self.runner.input_batch.req_ids[:cad.num_reqs]
+        # A decode step (no prefill chunk) that drafts nothing may leave the stages for later.
+        defer = (num_speculative_tokens == 0 and self.defer_idle_stages
+                 and cad.max_query_len <= 1 + self.speculative_config.num_speculative_tokens)
+        backlog: dict[int, DeferredStageRows] = {}
+        if defer or self.deferred:
+            first_positions = target_positions[cad.query_start_loc_cpu[:-1]].tolist()
+            backlog = self._scheduled_backlog(req_ids, first_positions)
+            defer = defer and self._backlog_can_grow(cad, backlog)
+            if backlog and not defer:  # this step's rows attend to those positions: run them first
+                self._catch_up(cad, req_ids, backlog)
+                backlog = {}
         # The first pass of SpecDecodeBaseProposer.propose: the stages see every
         # scheduled token and write their KV.
-        num_tokens, token_indices_to_sample, common_attn_metadata = self.set_inputs_first_pass(
+        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
             target_positions=target_positions,
             target_hidden_states=target_hidden_states,
             token_indices_to_sample=token_indices_to_sample,
-            cad=common_attn_metadata,
+            cad=cad,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
-        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(common_attn_metadata)
+        if defer:
+            self._defer(cad, req_ids, first_positions, backlog)
+            empty = target_hidden_states.new_empty(cad.num_reqs, 0)
+            return empty.long(), empty.float() if with_confidence else None
+        stage_outputs = self._run_stages(num_tokens, cad)
+        last_positions = stage_outputs[token_indices_to_sample]
+        if num_speculative_tokens == 0:  # a prefill chunk or a full backlog: the KV above is written
+            empty = last_positions.new_empty(last_positions.shape[0], 0)
+            return empty.long(), empty.float() if with_confidence else None
+        return self.model.draft(last_positions, num_speculative_tokens, with_confidence)
+
+    def _run_stages(self, num_tokens: int, cad) -> torch.Tensor:
+        """The stages over the first `num_tokens` rows of the input buffers, as `cad` describes them."""
+        _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
         cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = self._determine_batch_execution_and_padding(
             num_tokens
         )
@@ -309,14 +383,108 @@ class AmphistaProposer(EagleProposer):
             num_tokens=num_input_tokens,
             num_tokens_across_dp=num_tokens_across_dp,
             cudagraph_runtime_mode=cudagraph_runtime_mode,
-            slot_mapping=self._get_slot_mapping(slot_mapping_size, common_attn_metadata.slot_mapping),
+            slot_mapping=self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
         ):
-            stage_outputs = self.model(**model_kwargs)
-        last_positions = stage_outputs[token_indices_to_sample]
-        if num_speculative_tokens == 0:  # dynamic speculation chose K=0; the KV above stays in sync
-            empty = last_positions.new_empty(last_positions.shape[0], 0)
-            return empty.long(), empty.float() if with_confidence else None
-        return self.model.draft(last_positions, num_speculative_tokens, with_confidence)
+            return self.model(**model_kwargs)
+
+    def _scheduled_backlog(self, req_ids: list[str], first_positions: list[int]) -> dict[int, DeferredStageRows]:
+        """Batch row -> the positions a scheduled request's stages still owe before this step's
+        rows; backlogs that no longer lead up to them (rejected drafts, preemption) are trimmed."""
+        backlog = {}
+        for row, (req_id, position) in enumerate(zip(req_ids, first_positions)):
+            earlier = self.deferred.pop(req_id, None)
+            pending = earlier.before(position) if earlier is not None else None
+            if pending is not None:
+                backlog[row] = self.deferred[req_id] = pending
+        return backlog
+
+    def _backlog_can_grow(self, cad, backlog: dict[int, DeferredStageRows]) -> bool:
+        """Whether deferring this step keeps every backlog within its bound, and all of them within
+        one catch-up pass."""
+        starts = cad.query_start_loc_cpu.tolist()
+        total = 0
+        for row in range(cad.num_reqs):
+            owed = starts[row + 1] - starts[row] + (len(backlog[row].token_ids) if row in backlog else 0)
+            if owed > MAX_DEFERRED_POSITIONS:
+                return False
+            total += owed
+        return total <= self.max_num_tokens
+
+    def _defer(self, cad, req_ids: list[str], first_positions: list[int],
+               backlog: dict[int, DeferredStageRows]) -> None:
+        """Append this step's stage inputs (in the input buffers) to each request's backlog."""
+        starts = cad.query_start_loc_cpu.tolist()
+        for row, req_id in enumerate(req_ids):
+            start, end = starts[row], starts[row + 1]
+            if start == end:
+                continue
+            rows = DeferredStageRows(first_positions[row], self.input_ids[start:end].clone(),
+                                     self.hidden_states[start:end].clone())
+            earlier = backlog.get(row)
+            if earlier is not None:
+                rows = DeferredStageRows(earlier.first_position, torch.cat([earlier.token_ids, rows.token_ids]),
+                                         torch.cat([earlier.hidden_states, rows.hidden_states]))
+            self.deferred[req_id] = rows
+
+    def _catch_up(self, cad, req_ids: list[str], backlog: dict[int, DeferredStageRows]) -> None:
+        """Run the stages over the owed positions of the batch rows in `backlog`, as a prefill of
+        those positions (each request's context before them is in the KV already), in passes that
+        fit the input buffers; the owed rows are then dropped."""
+        rows = sorted(backlog)
+        while rows:
+            chunk, size = [], 0
+            while rows and (not chunk or size + len(backlog[rows[0]].token_ids) <= self.max_num_tokens):
+                size += len(backlog[rows[0]].token_ids)
+                chunk.append(rows.pop(0))
+            self._run_stages(size, self._load_backlog(cad, [backlog[row] for row in chunk], chunk))
+            for row in chunk:
+                del self.deferred[req_ids[row]]
+
+    def _load_backlog(self, cad, owed: list[DeferredStageRows], rows: list[int]):
+        """Write owed rows into the input buffers; their attention metadata: `cad` narrowed to
+        those requests, each querying its owed positions."""
+        lengths = [len(pending.token_ids) for pending in owed]
+        num_tokens = sum(lengths)
+        device = self.input_ids.device
+        self.input_ids[:num_tokens] = torch.cat([pending.token_ids for pending in owed])
+        self.hidden_states[:num_tokens] = torch.cat([pending.hidden_states for pending in owed])
+        positions_cpu = torch.cat([torch.arange(pending.first_position, pending.end_position) for pending in owed])
+        positions = positions_cpu.to(device)
+        self._set_positions(num_tokens, positions)
+        rows_on_device = torch.tensor(rows, device=device)
+        block_table = cad.block_table_tensor[rows_on_device]
+        request_of_token = torch.repeat_interleave(torch.arange(len(rows), device=device),
+                                                   torch.tensor(lengths, device=device))
+        blocks = block_table[request_of_token, positions // self.block_size].long()
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        query_start_loc_cpu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        seq_lens_cpu = torch.tensor([pending.end_position for pending in owed], dtype=torch.int32)
+
+        def narrowed(value):  # per-request fields of cad, for the chosen rows
+            return None if value is None else value[rows_on_device if value.device == device else rows]
+
+        return dataclasses.replace(
+            cad,
+            query_start_loc=query_start_loc_cpu.to(device),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens_cpu.to(device),
+            seq_lens_cpu_upper_bound=seq_lens_cpu,
+            num_reqs=len(rows),
+            num_actual_tokens=num_tokens,
+            max_query_len=max(lengths),
+            max_seq_len=int(seq_lens_cpu.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping.to(cad.slot_mapping.dtype),
+            positions=positions,
+            is_prefilling=narrowed(cad.is_prefilling),
+            req_idx=None if cad.req_idx is None else cad.req_idx[rows],
+            rswa_prefix_lens=narrowed(cad.rswa_prefix_lens),
+            logits_indices_padded=None,
+            num_logits_indices=None,
+            max_logits_per_req=None,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
 
     def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
         super().dummy_run(num_tokens, *args, **kwargs)

@@ -1,7 +1,7 @@
 """The hybrid inside vLLM (`method: "amphista_anpd"`): Amphista heads and ANPD tables in one proposer.
 
-The heads run every step through the EAGLE path exactly as in `amphista.py`
-(so their stage KV stays in sync), before vLLM's bookkeeping. Their chain is
+The heads run through the EAGLE path exactly as in `amphista.py` (their
+stages catch up after steps that draft nothing), before vLLM's bookkeeping. Their chain is
 kept, and after bookkeeping, when the runner hands the drafts to the
 scheduler (`take_draft_token_ids`, patch 12), each request's ANPD tables
 absorb the tokens this step accepted and `hybrid.hybrid_draft` picks or
@@ -25,7 +25,6 @@ from vllm_amphista.vllm.config import draft_length_mode
 class AmphistaAnpdProposer(AmphistaProposer):
     def __init__(self, vllm_config, device, runner):
         super().__init__(vllm_config, device, runner)
-        self.runner = runner
         self.tables = RequestTables(vllm_config)
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
@@ -57,6 +56,7 @@ class AmphistaAnpdProposer(AmphistaProposer):
         return final
 
     def drop_finished(self, req_ids) -> None:
+        super().drop_finished(req_ids)
         self.tables.drop_finished(req_ids)
 
     @property

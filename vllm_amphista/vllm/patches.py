@@ -23,8 +23,8 @@ The patches:
    mechanism) for heads that read several target layers.
 5. `GPUModelRunner.propose_draft_token_ids` calls the ANPD proposer (Amphista
    goes through the EAGLE branch thanks to 3), and `GPUModelRunner._update_states`
-   hands the ANPD and hybrid proposers the finished request ids the step vLLM
-   frees its own state, so an idle engine holds no N-gram tables;
+   hands our proposers the finished request ids the step vLLM frees its own
+   state, so an idle engine holds no N-gram tables or deferred stage inputs;
    `GPUModelRunner.take_draft_token_ids` (called after bookkeeping, when the
    drafts go to the scheduler) lets the hybrid finish its drafts with the
    tokens this step accepted.

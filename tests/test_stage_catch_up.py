@@ -1,0 +1,99 @@
+"""Steps that draft nothing skip Amphista's stages, which catch up on the next pass.
+
+In a real engine, a draft-length schedule with K=0 stretches (one shorter and one longer than the
+backlog bound) runs the same requests twice: stages deferred, and stages run on every step. The
+drafts after every stretch must be the same token for token (the catch-up pass wrote the KV the
+skipped steps would have), the stages must really have been skipped, and greedy outputs must
+equal plain decoding. Async scheduling (padded drafts, rejected rows in the next step's inputs)
+and synchronous scheduling (rejected rows dropped) both run.
+"""
+
+import pytest
+import torch
+
+from conftest import run_engine, run_llm
+from vllm_amphista.vllm.amphista import MAX_DEFERRED_POSITIONS
+
+K = 3
+# Scheduler steps (1-based) with K=0: a short stretch, then one past the backlog bound.
+ZERO_STRETCHES = [(5, 10), (16, 16 + MAX_DEFERRED_POSITIONS + 8)]
+
+SCENARIO = """
+import torch
+engine_core = llm.llm_engine.engine_core.engine_core
+runner = engine_core.model_executor.driver_worker.worker.model_runner
+drafter, model = runner.drafter, runner.drafter.model
+
+class Schedule:
+    # Read by vLLM's scheduler once per step, as its per-batch-size draft lengths.
+    def __init__(self):
+        self.step = 0
+
+    def __getitem__(self, batch_size):
+        self.step += 1
+        return 0 if any(first <= self.step <= last for first, last in args["zero_stretches"]) else args["k"]
+
+stage_forward, draft = model.forward, model.draft
+calls = []
+
+def recorded_forward(input_ids, positions, hidden_states, inputs_embeds=None):
+    out = stage_forward(input_ids, positions, hidden_states, inputs_embeds)
+    calls.append(("stages", int(positions.shape[0])))
+    return out
+
+def recorded_draft(stage_outputs, num_tokens, *options):
+    token_ids, confidence = draft(stage_outputs, num_tokens, *options)
+    calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
+    return token_ids, confidence
+
+model.forward, model.draft = recorded_forward, recorded_draft
+prompts = [{"prompt_token_ids": [12 + (i * 7 + j) % 40 for j in range(6 + 5 * i)] * 2} for i in range(3)]
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (70, 45, 60)]
+runs = {}
+for defer in (True, False):
+    drafter.defer_idle_stages = defer
+    engine_core.scheduler.dynamic_sd_lookup = Schedule()
+    calls.clear()
+    outputs = llm.generate(prompts, params)
+    assert not drafter.deferred, "finished requests left deferred stage inputs behind"
+    torch.save([call for call in calls if call[0] == "draft"], args["path"] + f"-{defer}.pt")
+    runs[defer] = {"outputs": [list(o.outputs[0].token_ids) for o in outputs],
+                   "stage_passes": sum(call[0] == "stages" for call in calls),
+                   "stage_rows": [call[1] for call in calls if call[0] == "stages"]}
+report(runs)
+"""
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_drafts_after_skipped_stages_equal_drafts_of_stages_run_every_step(tiny_llama_dir, random_heads_dir,
+                                                                           tmp_path, async_scheduling):
+    path = str(tmp_path / "drafts")
+    runs = run_llm(tiny_llama_dir, SCENARIO,
+                   {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": K,
+                    "draft_length": "fixed"},
+                   llm_kwargs={"enable_prefix_caching": False, "async_scheduling": async_scheduling},
+                   args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES})
+    deferred, every_step = runs["true"], runs["false"]  # JSON's keys
+    assert deferred["outputs"] == every_step["outputs"]
+    # Stages skipped: fewer passes; the longer stretch ran them when the backlog was full.
+    assert deferred["stage_passes"] < every_step["stage_passes"] - 10
+    assert max(deferred["stage_rows"]) > max(every_step["stage_rows"][1:])  # a catch-up pass of owed rows
+    with_deferral, without = torch.load(path + "-True.pt"), torch.load(path + "-False.pt")
+    assert len(with_deferral) == len(without) >= 15
+    for (_, stages_a, drafts_a), (_, stages_b, drafts_b) in zip(with_deferral, without):
+        assert torch.equal(drafts_a, drafts_b)
+        torch.testing.assert_close(stages_a, stages_b, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_equals_plain_with_skipped_stages(tiny_llama_dir, random_heads_dir):
+    requests = [{"prompt_token_ids": [12 + (i * 5 + j) % 40 for j in range(4 + 7 * i)] * 2,
+                 "max_tokens": 30 + 15 * i} for i in range(4)]
+    plain = run_engine(tiny_llama_dir, requests)
+    # K=0 at every batch size but one: the stages defer, run when a backlog is full, and catch
+    # up when the batch shrinks to one request (the requests end one after another).
+    schedule = {"num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 256, 0]]}
+    for method in ("amphista", "amphista_anpd"):
+        spec_run = run_engine(tiny_llama_dir, requests, {"method": method, "model": str(random_heads_dir),
+                                                         "num_speculative_tokens": K, **schedule})
+        assert spec_run["token_ids"] == plain["token_ids"], method
+        assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0, method
