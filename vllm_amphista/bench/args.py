@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-ALL_METHODS = ("vanilla", "ngram", "anpd", "medusa", "eagle", "amphista", "amphista_anpd")
+ALL_METHODS = ("vanilla", "ngram", "anpd", "medusa", "eagle", "dflash", "amphista", "amphista_anpd")
 
 
 def parse_methods(value: str) -> list[str]:

@@ -4,7 +4,7 @@
     python -m vllm_amphista.bench --quick              # smoke test: 2 prompts per category, 32 tokens
     python -m vllm_amphista.bench --questions mt_bench_question.jsonl   # MT-Bench (any path; several files work)
 
-Methods: vanilla (no speculation), vLLM's ngram, medusa and eagle, and this
+Methods: vanilla (no speculation), vLLM's ngram, medusa, eagle and dflash (`--dflash-drafter`), and this
 plugin's anpd, amphista and the hybrid amphista_anpd (plus `--ablation NAME=DIR` rows of other Amphista
 heads). A method whose heads dir is missing is skipped, and says why.
 
@@ -85,7 +85,8 @@ from vllm_amphista.prompts import DataError, Question, load_questions
 from vllm_amphista.vllm.config import DRAFT_LENGTH_MODES, PLUGIN_METHODS
 
 # Methods that draft with trained weights, and the flag naming their dir.
-HEADS_FLAG = {"amphista": "heads", "amphista_anpd": "heads", "medusa": "medusa_heads", "eagle": "eagle_heads"}
+HEADS_FLAG = {"amphista": "heads", "amphista_anpd": "heads", "medusa": "medusa_heads", "eagle": "eagle_heads",
+              "dflash": "dflash_drafter"}
 QUICK = {"per_category": 2, "max_tokens": 32, "repeats": 1, "concurrency": [1]}
 
 
@@ -115,7 +116,9 @@ def planned_rows(args) -> list[MethodRun]:
     rows += [MethodRun(f"amphista[{name}]", "amphista", directory, args.draft_length[0])
              for name, directory in args.ablation]
     for row in rows:
-        if row.heads_dir is not None and (reason := missing_weights(row.heads_dir)):
+        if row.method == "dflash" and row.heads_dir is None:
+            row.not_run = "skipped: no DFlash drafter given (--dflash-drafter, from `train fit --method dflash`)"
+        elif row.heads_dir is not None and (reason := missing_weights(row.heads_dir)):
             row.not_run = f"skipped: {reason}"
     return rows
 
@@ -229,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "`python -m vllm_amphista.demo_target` assembles from the shipped baseline)")
     parser.add_argument("--eagle-heads", default=SHIPPED_EAGLE_HEADS,
                         help="EAGLE drafter dir for vLLM's eagle method (default: the shipped baseline)")
+    parser.add_argument("--dflash-drafter", default=None,
+                        help="DFlash drafter dir (`train fit --method dflash`) for vLLM's dflash method")
     parser.add_argument("--ablation", type=parse_ablation, action="append", default=[], metavar="NAME=DIR",
                         help="extra Amphista heads dir, shown as row amphista[NAME]; repeatable")
     parser.add_argument("--engine", choices=("compiled", "eager"), default="compiled",
