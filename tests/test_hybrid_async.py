@@ -1,0 +1,82 @@
+"""The amphista_anpd hybrid under vLLM's async scheduling, and its tables following the tokens.
+
+With async scheduling the runner's CPU copy of the newest tokens holds placeholders, so the
+hybrid's ANPD tables absorb the sampler's tokens before bookkeeping. In a real engine (random
+heads, repetitive and random prompts, early stops, a prompt at max_model_len), every request's
+tables must have absorbed exactly its prompt and output (tokens sampled past a stop may follow),
+built once, in both scheduling modes; vLLM's own choice admits the hybrid to async scheduling;
+and greedy outputs equal plain decoding.
+
+The async run keeps vLLM's own decision on CPU (`conftest.KEEP_VLLMS_ASYNC_DECISION`).
+"""
+
+import pytest
+
+from conftest import KEEP_VLLMS_ASYNC_DECISION, run_engine, run_llm
+from test_engine_lossless import mixed_requests
+
+K = 4
+
+RECORD_ABSORBED = """
+from vllm_amphista.anpd import AnpdDrafter
+
+absorbed, builds = {}, {}
+extend = AnpdDrafter.extend
+
+def recording_extend(self, req_id, token_ids):
+    if self.num_tokens(req_id) is None:  # the tables of this request start (again) here
+        absorbed[req_id] = []
+        builds[req_id] = builds.get(req_id, 0) + 1
+    absorbed[req_id].extend(int(token) for token in token_ids)
+    return extend(self, req_id, token_ids)
+
+AnpdDrafter.extend = recording_extend
+"""
+
+GENERATE = """
+outputs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in args["requests"]],
+                       [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop_token_ids=r.get("stop_token_ids"))
+                        for r in args["requests"]])
+requests = []
+for output in outputs:
+    # The runner's request id extends the one LLM.generate returns.
+    runner_ids = [req_id for req_id in absorbed if req_id == output.request_id
+                  or req_id.startswith(output.request_id + "-")]
+    requests.append({"output": list(output.outputs[0].token_ids),
+                     "absorbed": [absorbed[req_id] for req_id in runner_ids],
+                     "builds": [builds[req_id] for req_id in runner_ids]})
+report({"async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+        "requests": requests, "accepted": metrics("vllm:spec_decode_num_accepted_tokens")})
+"""
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return mixed_requests(seed=1)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir, requests):
+    return run_engine(tiny_llama_dir, requests)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_hybrid_tables_absorb_exactly_the_tokens(tiny_llama_dir, random_heads_dir, requests, plain, async_scheduling):
+    # Async: vLLM decides (None), and must pick async scheduling for the hybrid.
+    run = run_llm(tiny_llama_dir, GENERATE,
+                  {"method": "amphista_anpd", "model": str(random_heads_dir), "num_speculative_tokens": K},
+                  llm_kwargs={"async_scheduling": None if async_scheduling else False, "max_num_seqs": 16},
+                  args={"requests": requests}, prelude=KEEP_VLLMS_ASYNC_DECISION + RECORD_ABSORBED)
+    assert run["async_scheduling"] is async_scheduling
+    for index, (request, got, expected) in enumerate(zip(requests, run["requests"], plain["token_ids"])):
+        assert got["output"] == expected, f"request {index}: output differs from plain decoding"
+        sequence = request["prompt_token_ids"] + expected
+        if len(sequence) < 2 or not expected:
+            continue
+        assert len(got["absorbed"]) == 1, f"request {index}: no tables, or more than one request id matched"
+        absorbed = got["absorbed"][0]
+        assert got["builds"] == [1], f"request {index}: tables rebuilt mid-request"
+        # Tokens sampled past a stop (accepted drafts after it, a bonus token) may follow.
+        assert absorbed[:len(sequence)] == sequence, f"request {index}: tables absorbed other tokens"
+        assert len(absorbed) <= len(sequence) + K
+    assert run["accepted"]["vllm:spec_decode_num_accepted_tokens"] > 0  # the repetitive prompts' drafts come from the tables
