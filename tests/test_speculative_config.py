@@ -253,4 +253,3 @@ def test_hybrid_bad_ngram_options(tiny_llama_dir, heads_dir):
     config = json.dumps({"method": "amphista_anpd", "model": str(heads_dir), "prompt_lookup_min": 3})
     message = error_of([str(tiny_llama_dir), "--speculative-config", config])
     assert "prompt_lookup_min" in message and "amphista_anpd" in message
-
