@@ -10,6 +10,9 @@ CPU copy of the tokens, so the hybrid runs under async scheduling (patch 10),
 where the drafts go back as one [B, K] tensor: a draft shorter than K is
 padded with the heads' own later tokens. Synchronous scheduling keeps
 per-request lengths. Tables are dropped the step vLLM frees a request, as for ANPD.
+On a GPU, reading the sampled tokens waits for the sampler (the tables live on
+the CPU): the one wait async scheduling otherwise avoids; what async scheduling
+still gains there has not been measured (vLLM-CPU schedules synchronously).
 """
 
 from __future__ import annotations
