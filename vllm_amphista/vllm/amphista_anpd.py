@@ -60,8 +60,8 @@ class AmphistaAnpdProposer(AmphistaProposer):
             req_id, before = batch.req_ids[row], int(batch.num_tokens_no_spec[row])
             # Async scheduling's bookkeeping counts placeholders: the length is known only without it.
             length = None if self.async_scheduling else before + len(new)
-            self._lengths[req_id] = self.tables.absorb_step(
-                req_id, new, lambda row=row, before=before: batch.token_ids_cpu[row, :before], length)
+            # A view: read only when the request's tables start.
+            self._lengths[req_id] = self.tables.absorb_step(req_id, new, batch.token_ids_cpu[row, :before], length)
 
     def finalize_drafts(self, drafts: torch.Tensor | list[list[int]]) -> torch.Tensor | list[list[int]]:
         """Each request's final draft from its heads' chain and its tables."""

@@ -11,8 +11,6 @@ drafts, and rebuilt from their tokens when they return.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from vllm_amphista.anpd import AnpdDrafter
@@ -47,19 +45,17 @@ class RequestTables:
             self.drafter.sync(req_id, input_batch.token_ids_cpu[row, :num_tokens])
         return room
 
-    def absorb_step(self, req_id: str, new_tokens: list[int], tokens_before: Callable[[], np.ndarray],
-                    length: int | None) -> int:
+    def absorb_step(self, req_id: str, new_tokens: list[int], tokens_before: np.ndarray, length: int | None) -> int:
         """Absorb the tokens a request gained this step and return its length, for a drafter that
         runs before the runner's bookkeeping (with async scheduling the runner's copy of recent
         tokens holds placeholders, -1, so the tables follow the sampled tokens instead). A request
         seen for the first time, or whose tables missed a step (`length` known and not matched),
-        starts again from `tokens_before()`, its tokens up to this step, cut at a placeholder."""
+        starts again from `tokens_before`, its tokens up to this step, cut at a placeholder."""
         absorbed = self.drafter.num_tokens(req_id)
         if absorbed is None or (length is not None and absorbed + len(new_tokens) != length):
-            before = tokens_before()
-            placeholders = np.flatnonzero(before < 0)
+            placeholders = np.flatnonzero(tokens_before < 0)
             self.drafter.drop(req_id)
-            self.drafter.extend(req_id, before[:placeholders[0]] if placeholders.size else before)
+            self.drafter.extend(req_id, tokens_before[:placeholders[0]] if placeholders.size else tokens_before)
         return self.drafter.extend(req_id, new_tokens)
 
     def drop_finished(self, req_ids) -> None:
