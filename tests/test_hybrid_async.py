@@ -1,11 +1,12 @@
-"""The amphista_anpd hybrid under vLLM's async scheduling, and its tables following the tokens.
+"""The amphista_anpd hybrid under vLLM's async scheduling, and the ANPD tables following the tokens.
 
 With async scheduling the runner's CPU copy of the newest tokens holds placeholders, so the
 hybrid's ANPD tables absorb the sampler's tokens before bookkeeping. In a real engine (random
 heads, repetitive and random prompts, early stops, a prompt at max_model_len), every request's
 tables must have absorbed exactly its prompt and output (tokens sampled past a stop may follow),
 built once, in both scheduling modes; vLLM's own choice admits the hybrid to async scheduling;
-and greedy outputs equal plain decoding.
+and greedy outputs equal plain decoding. Pure ANPD (synchronous) keeps its tables as long:
+each request's are built once.
 
 The async run keeps vLLM's own decision on CPU (`conftest.KEEP_VLLMS_ASYNC_DECISION`).
 """
@@ -21,16 +22,24 @@ RECORD_ABSORBED = """
 from vllm_amphista.anpd import AnpdDrafter
 
 absorbed, builds = {}, {}
-extend = AnpdDrafter.extend
+extend, sync = AnpdDrafter.extend, AnpdDrafter.sync
 
-def recording_extend(self, req_id, token_ids):
+def count_build(self, req_id):
     if self.num_tokens(req_id) is None:  # the tables of this request start (again) here
         absorbed[req_id] = []
         builds[req_id] = builds.get(req_id, 0) + 1
+
+def recording_extend(self, req_id, token_ids):
+    count_build(self, req_id)
     absorbed[req_id].extend(int(token) for token in token_ids)
     return extend(self, req_id, token_ids)
 
-AnpdDrafter.extend = recording_extend
+def recording_sync(self, req_id, token_ids):
+    count_build(self, req_id)
+    absorbed[req_id].extend(int(token) for token in token_ids[len(absorbed[req_id]):])
+    return sync(self, req_id, token_ids)
+
+AnpdDrafter.extend, AnpdDrafter.sync = recording_extend, recording_sync
 """
 
 GENERATE = """
@@ -46,10 +55,9 @@ for output in outputs:
                      "absorbed": [absorbed[req_id] for req_id in runner_ids],
                      "builds": [builds[req_id] for req_id in runner_ids]})
 report({"async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
-        "requests": requests, "accepted": metrics("vllm:spec_decode_num_accepted_tokens")})
+        "requests": requests, "accepted": metrics("vllm:spec_decode_num_accepted_tokens"),
+        "preemptions": metrics("vllm:num_preemptions")["vllm:num_preemptions"]})
 """
-
-
 @pytest.fixture(scope="module")
 def requests():
     return mixed_requests(seed=1)
@@ -80,3 +88,22 @@ def test_hybrid_tables_absorb_exactly_the_tokens(tiny_llama_dir, random_heads_di
         assert absorbed[:len(sequence)] == sequence, f"request {index}: tables absorbed other tokens"
         assert len(absorbed) <= len(sequence) + K
     assert run["accepted"]["vllm:spec_decode_num_accepted_tokens"] > 0  # the repetitive prompts' drafts come from the tables
+
+
+def test_anpd_tables_kept_through_preemption(tiny_llama_dir, requests, plain):
+    # A KV cache of 12 blocks of 32 tokens: the scheduler preempts requests, which leave the batch
+    # but not the runner, and come back with the same tokens.
+    run = run_llm(tiny_llama_dir, GENERATE, {"method": "anpd", "num_speculative_tokens": K},
+                  llm_kwargs={"max_num_seqs": 16, "num_gpu_blocks_override": 12, "block_size": 32},
+                  args={"requests": requests}, prelude=RECORD_ABSORBED)
+    assert run["preemptions"] > 0
+    drafted = 0
+    for index, (request, got, expected) in enumerate(zip(requests, run["requests"], plain["token_ids"])):
+        assert got["output"] == expected, f"request {index}: output differs from plain decoding"
+        if not got["absorbed"]:
+            continue  # never drafted: its last step had no room, or it stopped at its prefill
+        drafted += 1
+        assert got["builds"] == [1], f"request {index}: tables rebuilt mid-request"
+        sequence = request["prompt_token_ids"] + expected
+        assert sequence[:len(got["absorbed"][0])] == got["absorbed"][0], f"request {index}: tables absorbed other tokens"
+    assert drafted > 0 and run["accepted"]["vllm:spec_decode_num_accepted_tokens"] > 0

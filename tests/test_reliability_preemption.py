@@ -4,8 +4,8 @@
 16 blocks of 32 tokens, room for two requests at full length, so the
 scheduler preempts and later recomputes requests again and again (checked
 with vLLM's `vllm:num_preemptions` counter). A preempted request loses its
-KV cache, Amphista's draft KV included, and ANPD rebuilds its tables from
-the request's tokens when it returns. The reference is a plain engine with
+KV cache, Amphista's draft KV included; ANPD keeps its tables (the runner
+keeps the request) and goes on from them when it returns. The reference is a plain engine with
 a roomy cache (no preemption).
 """
 

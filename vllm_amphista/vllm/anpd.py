@@ -4,9 +4,9 @@ Runs after the runner's bookkeeping, like vLLM's ngram proposer, on the CPU
 copy of each request's tokens. The tables (vllm_amphista/anpd.py) absorb only
 the tokens added since the last step, so a step costs what was accepted, not
 the context length. Finished and aborted requests are dropped the step vLLM
-frees them (`drop_finished`, called from the runner's state update); requests
-that left the batch otherwise (preempted) are dropped when the next batch
-drafts, and rebuilt from their tokens when they return.
+frees them (`drop_finished`, called from the runner's state update); a request
+the scheduler skips or preempts leaves the batch but not the runner, and keeps
+its tables until it returns.
 """
 
 from __future__ import annotations
@@ -69,14 +69,15 @@ class RequestTables:
 
 
 class AnpdProposer:
-    def __init__(self, vllm_config):
+    def __init__(self, vllm_config, runner):
+        self.runner = runner
         self.tables = RequestTables(vllm_config)
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
 
     def propose(self, num_speculative_tokens: int, input_batch, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         req_ids = input_batch.req_ids
-        self.tables.drafter.retain_only(req_ids)
+        self.tables.drafter.retain_only(self.runner.requests)
         drafts: list[list[int]] = []
         for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             # A prefill chunk, K=0 this step, or no room left: no draft.

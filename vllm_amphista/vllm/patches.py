@@ -283,7 +283,7 @@ def _make_drafter(method: str, vllm_config, runner):
         return AmphistaAnpdProposer(vllm_config, runner.device, runner)
     from vllm_amphista.vllm.anpd import AnpdProposer
 
-    return AnpdProposer(vllm_config)
+    return AnpdProposer(vllm_config, runner)
 
 
 def _dispatch_anpd_proposals() -> None:
