@@ -53,10 +53,12 @@ The patches:
 9. `RejectionSampler.forward` takes a greedy fast path when every request of
    the batch is greedy and nothing can move an argmax (no penalties, bad
    words, allowed-token masks, logit bias, pending min_tokens, thinking
-   budget, logprobs): one argmax over all verified positions in the logits'
-   own dtype (exact: upcasting is monotonic) and vLLM's own greedy acceptance
-   kernel, instead of gathering, casting and cloning the logits and sampling
-   the bonus token apart. Any other batch runs vLLM's code unchanged.
+   budget, logprobs): one argmax over all verified positions, by the op vLLM's
+   own sampler uses for plain greedy decoding (`Sampler.greedy_sample` on
+   float32 logits: on CPU a vLLM kernel, ~9x faster than torch's argmax over
+   bf16 logits at 5 rows), and vLLM's own greedy acceptance kernel, instead of
+   gathering, casting and cloning the logits and sampling the bonus token
+   apart. Any other batch runs vLLM's code unchanged.
 10. `VllmConfig.__post_init__` admits "amphista" and "amphista_anpd" to async
    scheduling as it admits EAGLE (vLLM lists the methods in `EagleModelTypes`,
    used by config/vllm.py for that check alone): both draft through the same
@@ -451,6 +453,7 @@ def _greedy_rejection_sampling_fast_path() -> None:
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+    from vllm.v1.sample.sampler import Sampler
 
     sampler_class = rejection_sampler.RejectionSampler
     _expect_params(sampler_class.forward, ["self", "metadata", "draft_probs", "logits", "sampling_metadata"],
@@ -458,6 +461,8 @@ def _greedy_rejection_sampling_fast_path() -> None:
     _expect(callable(getattr(rejection_sampler, "_rejection_greedy_sample", None))
             and hasattr(rejection_sampler, "PLACEHOLDER_TOKEN_ID"),
             "rejection_sampler lost _rejection_greedy_sample / PLACEHOLDER_TOKEN_ID")
+    _expect(isinstance(inspect.getattr_static(Sampler, "greedy_sample", None), staticmethod),
+            "Sampler.greedy_sample is no longer a static method")
     # What is idle when these builtin processors have no request to act on.
     idle = {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}
     for processor_class, state in idle.items():
@@ -483,7 +488,7 @@ def _greedy_rejection_sampling_fast_path() -> None:
         def forward(self, metadata, draft_probs, logits, sampling_metadata):
             if not argmax_decides(self, sampling_metadata):
                 return original(self, metadata, draft_probs, logits, sampling_metadata)
-            argmax = logits.argmax(dim=-1)
+            argmax = Sampler.greedy_sample(logits.to(torch.float32))
             output_token_ids = torch.full(
                 (len(metadata.num_draft_tokens), metadata.max_spec_len + 1), rejection_sampler.PLACEHOLDER_TOKEN_ID,
                 dtype=torch.int32, device=logits.device)
