@@ -90,3 +90,21 @@ def test_drafter_profile_groups_the_drafters_ops(tiny_llama_dir, random_heads_di
     assert "### batch 2:" in completed.stdout and "calls profiled" in completed.stdout
     groups = {line.split("|")[1].strip() for line in completed.stdout.splitlines() if line.startswith("| ")}
     assert {"GEMM", "attention and KV writes"} <= groups  # the stage layers ran under the profiler
+
+
+def test_serve_table_reports_medians_and_the_cost_of_recording():
+    from vllm_amphista.bench.serve import table
+
+    def run(throughput, acceptance=None):
+        return {1: {"output_throughput": throughput, "median_ttft_ms": 10.0, "median_tpot_ms": 5.0,
+                    "spec_decode_acceptance_length": acceptance, "failed": 0}}
+
+    results = {"vanilla": [run(100.0), run(90.0), run(110.0)],
+               "amphista": [run(150.0, 1.5), run(160.0, 1.5), run(140.0, 1.5)],
+               "amphista+recording": [run(147.0, 1.5), run(100.0, 1.5), run(160.0, 1.5)]}
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in table(results, 1).splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows["vanilla"][:3] == ["100.0", "1.00x", "-"]
+    assert rows["amphista"][:3] == ["150.0", "1.50x", "-"]
+    assert rows["amphista+recording"][:3] == ["147.0", "1.47x", "0.980x"]
+    assert rows["amphista+recording"][5] == "1.50"

@@ -9,6 +9,13 @@ template) at each concurrency, greedy, and reports throughput, time to first
 token, time per output token and vLLM's acceptance length (1 + accepted /
 drafts, over steps that had a draft). One table, speedups against plain
 decoding measured in the same invocation.
+
+What recording served traffic costs: `--record-traffic DIR` adds, after each of the plugin's
+methods, the same server with `record_traffic` on (a fresh directory under DIR per run), and
+`--repeats N` runs the whole list N times in turn (interleaved) and reports each row's medians:
+
+    python -m vllm_amphista.bench.serve --methods amphista --record-traffic .cache/record-bench \
+        --repeats 3 --concurrency 1 4
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,8 +36,12 @@ from pathlib import Path
 from vllm_amphista.assets import DEMO_TARGET, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.engines import speculative_config
 from vllm_amphista.cpu_dtype import choose_cpu_dtype
+from vllm_amphista.vllm.config import PLUGIN_METHODS
 
 METHODS = ("vanilla", "ngram", "anpd", "amphista", "amphista_anpd")
+RECORDING = "+recording"  # a row's suffix: the method's server with record_traffic on
+# The client's figures a row reports (medians over repeats).
+FIGURES = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "spec_decode_acceptance_length", "failed")
 
 
 def vllm_command() -> str:
@@ -64,22 +76,26 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
-def serve_and_bench(args, method: str, out: Path) -> dict[int, dict]:
-    """Start one server for `method`, run the client at every concurrency; results by concurrency."""
+def serve_and_bench(args, row: str, out: Path, record_dir: Path | None = None) -> dict[int, dict]:
+    """Start one server for a row (a method, recording into `record_dir` if given), run the client at
+    every concurrency; results by concurrency."""
+    method = row.removesuffix(RECORDING)
     port = free_port()
     command = [vllm_command(), "serve", args.target, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                "--max-num-seqs", str(max(args.concurrency)), "--no-enable-prefix-caching"]
     config = speculative_config(method, args.num_speculative_tokens, args.heads if method.startswith("amphista") else None)
+    if record_dir is not None:
+        config["record_traffic"] = str(record_dir)
     if config is not None:
         command += ["--speculative-config", json.dumps(config)]
-    log = open(out / f"server_{method}.log", "w")
+    log = open(out / f"server_{out_name(row, record_dir)}.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     results = {}
     try:
         wait_healthy(port, server, args.startup_timeout)
         for concurrency in args.concurrency:
-            name = f"{method}_c{concurrency}.json"
+            name = f"{out_name(row, record_dir)}_c{concurrency}.json"
             client = [vllm_command(), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
                       "--host", "127.0.0.1", "--port", str(port), "--model", args.target,
                       "--dataset-name", "spec_bench", "--dataset-path", args.questions,
@@ -98,21 +114,38 @@ def serve_and_bench(args, method: str, out: Path) -> dict[int, dict]:
     return results
 
 
-def table(results: dict[str, dict[int, dict]], concurrency: int) -> str:
+def out_name(row: str, record_dir: Path | None) -> str:
+    return row.replace(RECORDING, "_recording") + (f"_{record_dir.name}" if record_dir is not None else "")
+
+
+def median_figures(runs: list[dict]) -> dict:
+    """Each figure's median over the repeats of one row at one concurrency (None if a run lacks it)."""
+    figures = {}
+    for figure in FIGURES:
+        values = [run.get(figure) for run in runs]
+        figures[figure] = statistics.median(values) if values and None not in values else None
+    return figures
+
+
+def table(results: dict[str, list[dict[int, dict]]], concurrency: int) -> str:
     lines = [f"### concurrency {concurrency}", "",
-             "| method | output tok/s | speedup | median TTFT ms | median TPOT ms | acceptance length | failed |",
-             "|---|---|---|---|---|---|---|"]
-    plain = results.get("vanilla", {}).get(concurrency, {}).get("output_throughput")
-    for method, by_concurrency in results.items():
-        result = by_concurrency.get(concurrency)
-        if result is None:
+             "| method | output tok/s | speedup | vs no recording | median TTFT ms | median TPOT ms "
+             "| acceptance length | failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    figures = {row: median_figures([run[concurrency] for run in runs if concurrency in run])
+               for row, runs in results.items()}
+    plain = figures.get("vanilla", {}).get("output_throughput")
+    for row, row_figures in figures.items():
+        throughput = row_figures["output_throughput"]
+        if throughput is None:
             continue
-        throughput = result["output_throughput"]
         speedup = f"{throughput / plain:.2f}x" if plain else "-"
-        acceptance = result.get("spec_decode_acceptance_length")
-        lines.append(f"| {method} | {throughput:.1f} | {speedup} | {result['median_ttft_ms']:.0f} | "
-                     f"{result['median_tpot_ms']:.1f} | {f'{acceptance:.2f}' if acceptance else '-'} | "
-                     f"{result['failed']} |")
+        unrecorded = figures.get(row.removesuffix(RECORDING), {}).get("output_throughput")
+        versus = f"{throughput / unrecorded:.3f}x" if row.endswith(RECORDING) and unrecorded else "-"
+        acceptance = row_figures["spec_decode_acceptance_length"]
+        lines.append(f"| {row} | {throughput:.1f} | {speedup} | {versus} | {row_figures['median_ttft_ms']:.0f} | "
+                     f"{row_figures['median_tpot_ms']:.1f} | {f'{acceptance:.2f}' if acceptance else '-'} | "
+                     f"{row_figures['failed']:g} |")
     return "\n".join(lines)
 
 
@@ -131,20 +164,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--out", default=None, help="dir for the raw results and server logs (default: a temp dir)")
+    parser.add_argument("--record-traffic", default=None, metavar="DIR",
+                        help="also run each plugin method with record_traffic on, recording under DIR")
+    parser.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn; medians")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    rows = list(args.methods)
+    if args.record_traffic:
+        rows = [variant for method in args.methods
+                for variant in ((method, method + RECORDING) if method in PLUGIN_METHODS else (method,))]
     dtype_choice = choose_cpu_dtype()
     args.dtype = args.dtype or dtype_choice.dtype
     out = Path(args.out or tempfile.mkdtemp(prefix="serve_bench_"))
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    results = {method: serve_and_bench(args, method, out) for method in args.methods}
+    results: dict[str, list[dict[int, dict]]] = {row: [] for row in rows}
+    for repeat in range(args.repeats):
+        for row in rows:
+            record_dir = Path(args.record_traffic) / f"{row.removesuffix(RECORDING)}-{repeat}" \
+                if row.endswith(RECORDING) else None
+            if record_dir is not None and record_dir.exists():
+                shutil.rmtree(record_dir)  # every run records from empty
+            results[row].append(serve_and_bench(args, row, out, record_dir))
     report = "\n\n".join([
         "## Serving benchmark",
         f"`vllm serve {args.target}` per method (compiled, multi-process, {args.dtype}, K={args.num_speculative_tokens}"
         f" -- adaptive for the plugin's methods), `vllm bench serve` with {args.num_prompts} Spec-Bench first turns "
         f"(chat endpoint, greedy, {args.max_tokens} tokens); {os.cpu_count()} CPUs ({dtype_choice.describe()}), "
-        f"started {started}.",
+        f"started {started}; medians of {args.repeats} interleaved run(s) per row.",
         *[table(results, concurrency) for concurrency in args.concurrency],
     ])
     print(report)

@@ -301,6 +301,13 @@ class AmphistaProposer(EagleProposer):
                                   and parallel.decode_context_parallel_size == 1
                                   and parallel.prefill_context_parallel_size == 1)
         self.deferred: dict[str, DeferredStageRows] = {}
+        if self.uses_mrope:
+            raise ValueError("the Amphista drafter takes one position per token, not M-RoPE positions")
+        self.target_uses_mrope = vllm_config.model_config.uses_mrope
+
+    def _set_positions(self, num_tokens: int, positions: torch.Tensor) -> None:
+        # vLLM's reads the target's `uses_mrope` (a walk of its HF config, ~0.1 ms on CPU) every call.
+        self.positions[:num_tokens] = positions[0] if self.target_uses_mrope else positions
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args,
