@@ -123,8 +123,8 @@ def test_packed_samples_match_separate_runs():
 
 
 def test_kernel_path_matches_training_path():
-    """Inference (no grad) calls amphista_kernels' dispatcher; training calls
-    its differentiable reference. Both must compute the same thing."""
+    """Inference (no grad) and training (the differentiable reference) compute the same thing; on
+    CUDA inference calls amphista_kernels' Triton kernel (tested on a GPU by the kernel's tests)."""
     drafter = randomized(AmphistaDrafter(make_config()))
     hidden, next_ids, embed, lm_head = make_inputs()
     with torch.no_grad():

@@ -39,7 +39,8 @@ Choices for what the paper leaves open, and why
   embedding tells the heads apart; then pre-norm encoder layers (RMSNorm,
   fused qkv attention without RoPE, SiLU MLP, residuals) attend over the K
   heads of one sequence position only, via
-  ``amphista_kernels.bidirectional_head_attention``. The heads never see other
+  ``amphista_kernels.bidirectional_head_attention`` on CUDA (its torch
+  reference elsewhere and in training). The heads never see other
   positions or requests, so drafting the last position of a request needs
   nothing but that position's stage outputs.
 * Vocabulary projection: ``final_norm`` then, by default, the target's own
@@ -131,13 +132,10 @@ class HeadEncoderAttention(nn.Module):
             num_positions, num_draft_heads, 3, self.num_heads, self.head_dim
         )
         query, key, value = qkv.unbind(dim=2)
-        # The Triton kernel has no backward pass; train through the torch
-        # reference, which computes the same function.
-        attend = (
-            bidirectional_head_attention_reference
-            if torch.is_grad_enabled() and heads.requires_grad
-            else bidirectional_head_attention
-        )
+        # The Triton kernel (CUDA) has no backward pass: training, and CPU tensors, use the torch
+        # reference, which computes the same function; inline, a compiled graph can fuse it.
+        training = torch.is_grad_enabled() and heads.requires_grad
+        attend = bidirectional_head_attention if heads.is_cuda and not training else bidirectional_head_attention_reference
         attended = attend(query, key, value)
         return self.o_proj(attended.reshape(num_positions, num_draft_heads, hidden_size))
 
