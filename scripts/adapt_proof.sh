@@ -74,7 +74,7 @@ test_bench() {  # $1: name, $2: heads dir
     [ -f "$work/test-$1/results.json" ] && return 0
     log "3. test half, float32, concurrency 1, $1 heads"
     $py -m vllm_amphista.bench --target "$target" --heads "$2" --questions "$work/prompts/test.jsonl" \
-        --methods vanilla,amphista,amphista_anpd --per-category 40 --max-tokens 128 --concurrency 1 \
+        --methods vanilla,amphista,amphista_anpd --per-category 30 --max-tokens 128 --concurrency 1 \
         --repeats 1 --dtype float32 --out "$work/test-$1"
 }
 test_bench shipped "$heads"
