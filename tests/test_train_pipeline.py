@@ -18,7 +18,9 @@ from conftest import (
     VLLM_CPU_TEST_ENV,
     build_tiny_llama,
     build_tiny_tokenizer,
+    report_of,
     run_engine,
+    run_python,
     tiny_samples,
     write_jsonl,
 )
@@ -118,6 +120,34 @@ def test_generate_writes_the_targets_answers_hidden_states_and_top_k(tiny_llama_
         top = logprobs[len(sample.prompt_ids) - 1:-1].topk(8)
         assert torch.equal(tensors.topk_ids.long(), top.indices)
         assert torch.allclose(tensors.topk_logprobs.float(), top.values, atol=0.01)
+
+
+FREED_AFTER_WRITING = """
+import gc, json, weakref
+from vllm_amphista.train import generate
+from vllm_amphista.train.data import Dataset
+
+written = []  # weak references to every tensor of every shard written
+write_shard = generate.write_shard
+
+def recording_write_shard(out, index, samples, tensors, *args, **kwargs):
+    written.extend(weakref.ref(tensor) for sample in tensors for tensor in (sample.hidden, sample.topk_ids))
+    return write_shard(out, index, samples, tensors, *args, **kwargs)
+
+generate.write_shard = recording_write_shard
+samples = Dataset([{data!r}]).samples[:12]
+generate.generate_dataset({target!r}, {out!r}, token_samples=samples, dtype="float32", max_model_len=256,
+                          concurrency=4, shard_size=4, enforce_eager=True)
+gc.collect()
+print("REPORT=" + json.dumps({{"written": len(written), "alive": sum(ref() is not None for ref in written)}}))
+"""
+
+
+def test_generate_frees_each_shards_tensors_once_written(tiny_llama_dir, dataset_dir, tmp_path):
+    """A long `features` run must not keep what it wrote: its memory would grow with the dataset."""
+    report = report_of(run_python(FREED_AFTER_WRITING.format(data=str(dataset_dir), target=str(tiny_llama_dir),
+                                                             out=str(tmp_path / "features"))))
+    assert report["written"] == 24 and report["alive"] == 0
 
 
 def test_generate_resumes_and_recomputes_from_tokens(tiny_llama_dir, dataset_dir, prompts_path, tmp_path):

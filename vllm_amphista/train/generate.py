@@ -176,7 +176,9 @@ def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], firs
                 totals["samples"] += len(samples)
                 totals["output_tokens"] += sum(len(sample.output_ids) for sample in samples)
                 totals["tokens"] += sum(len(sample.token_ids) for sample in samples)
-                shards[shard] = []  # free the tensors
+                for written in shards[shard]:  # the caller's job lists still hold the jobs: free their tensors
+                    written.tensors = None
+                shards[shard] = []
                 seconds = time.perf_counter() - started
                 progress.set_postfix(out_tok_s=f"{totals['output_tokens'] / seconds:.0f}",
                                      tok_s=f"{totals['tokens'] / seconds:.0f}")
