@@ -58,6 +58,8 @@ report({"async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_sc
         "requests": requests, "accepted": metrics("vllm:spec_decode_num_accepted_tokens"),
         "preemptions": metrics("vllm:num_preemptions")["vllm:num_preemptions"]})
 """
+
+
 @pytest.fixture(scope="module")
 def requests():
     return mixed_requests(seed=1)
