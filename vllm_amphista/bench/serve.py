@@ -76,26 +76,30 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
-def serve_and_bench(args, row: str, out: Path, record_dir: Path | None = None) -> dict[int, dict]:
-    """Start one server for a row (a method, recording into `record_dir` if given), run the client at
-    every concurrency; results by concurrency."""
+def serve_and_bench(args, row: str, repeat: int, out: Path) -> dict[int, dict]:
+    """Start one server for a row (a method, or a method recording into a fresh directory under
+    --record-traffic) for its `repeat`-th run, run the client at every concurrency; results by
+    concurrency."""
     method = row.removesuffix(RECORDING)
+    run_name = f"{method}{'_recording' if row.endswith(RECORDING) else ''}_r{repeat}"
     port = free_port()
     command = [vllm_command(), "serve", args.target, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                "--max-num-seqs", str(max(args.concurrency)), "--no-enable-prefix-caching"]
     config = speculative_config(method, args.num_speculative_tokens, args.heads if method.startswith("amphista") else None)
-    if record_dir is not None:
+    if row.endswith(RECORDING):
+        record_dir = Path(args.record_traffic) / run_name
+        shutil.rmtree(record_dir, ignore_errors=True)  # every run records from empty
         config["record_traffic"] = str(record_dir)
     if config is not None:
         command += ["--speculative-config", json.dumps(config)]
-    log = open(out / f"server_{out_name(row, record_dir)}.log", "w")
+    log = open(out / f"server_{run_name}.log", "w")
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     results = {}
     try:
         wait_healthy(port, server, args.startup_timeout)
         for concurrency in args.concurrency:
-            name = f"{out_name(row, record_dir)}_c{concurrency}.json"
+            name = f"{run_name}_c{concurrency}.json"
             client = [vllm_command(), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
                       "--host", "127.0.0.1", "--port", str(port), "--model", args.target,
                       "--dataset-name", "spec_bench", "--dataset-path", args.questions,
@@ -112,10 +116,6 @@ def serve_and_bench(args, row: str, out: Path, record_dir: Path | None = None) -
             server.kill()
         log.close()
     return results
-
-
-def out_name(row: str, record_dir: Path | None) -> str:
-    return row.replace(RECORDING, "_recording") + (f"_{record_dir.name}" if record_dir is not None else "")
 
 
 def median_figures(runs: list[dict]) -> dict:
@@ -183,11 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict[int, dict]]] = {row: [] for row in rows}
     for repeat in range(args.repeats):
         for row in rows:
-            record_dir = Path(args.record_traffic) / f"{row.removesuffix(RECORDING)}-{repeat}" \
-                if row.endswith(RECORDING) else None
-            if record_dir is not None and record_dir.exists():
-                shutil.rmtree(record_dir)  # every run records from empty
-            results[row].append(serve_and_bench(args, row, out, record_dir))
+            results[row].append(serve_and_bench(args, row, repeat, out))
     report = "\n\n".join([
         "## Serving benchmark",
         f"`vllm serve {args.target}` per method (compiled, multi-process, {args.dtype}, K={args.num_speculative_tokens}"
