@@ -58,7 +58,8 @@ def test_target_steps_are_counted_per_request(tiny_llama_dir, plain, requests):
     most one per token and at least what vLLM's counters imply (they also count accepted
     tokens that max_tokens or a stop token then cut off)."""
     assert plain["target_steps"] == [len(ids) for ids in plain["token_ids"]]
-    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4})
+    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4,
+                                                     "draft_length": "fixed"})
     generated = sum(len(ids) for ids in spec_run["token_ids"])
     assert all(1 <= steps <= len(ids) for steps, ids in zip(spec_run["target_steps"], spec_run["token_ids"])
                if ids)
@@ -90,18 +91,25 @@ def test_amphista_fewer_tokens_than_heads(tiny_llama_dir, random_heads_dir, plai
     assert 2 * drafts - 3 <= spec_run["spec"]["vllm:spec_decode_num_draft_tokens"] <= 2 * drafts
 
 
-def test_hybrid_greedy_equals_plain(tiny_llama_dir, random_heads_dir, plain, requests):
+# The load-aware default may choose K=0 for most of a run where this CPU's timings say drafting
+# does not pay: only a fixed K is sure to verify drafts, so only there are accepted drafts asserted.
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
+def test_hybrid_greedy_equals_plain(tiny_llama_dir, random_heads_dir, plain, requests, draft_length):
     spec_run = run_engine(tiny_llama_dir, requests, {"method": "amphista_anpd", "model": str(random_heads_dir),
-                                                     "num_speculative_tokens": 4})
+                                                     "num_speculative_tokens": 4, "draft_length": draft_length})
     assert_same_outputs(spec_run, plain, requests)
-    # Random heads are rarely right: accepted drafts on the repetitive prompts come from the tables.
-    assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    if draft_length == "fixed":
+        # Random heads are rarely right: accepted drafts on the repetitive prompts come from the tables.
+        assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-def test_anpd_greedy_equals_plain(tiny_llama_dir, plain, requests):
-    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4})
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
+def test_anpd_greedy_equals_plain(tiny_llama_dir, plain, requests, draft_length):
+    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4,
+                                                     "draft_length": draft_length})
     assert_same_outputs(spec_run, plain, requests)
-    assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # repetitive prompts get accepted
+    if draft_length == "fixed":
+        assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # repetitive prompts get accepted
 
 
 def test_plugin_loads_in_the_engine_process(tiny_llama_dir, plain, requests):

@@ -8,7 +8,9 @@ built once, in both scheduling modes; vLLM's own choice admits the hybrid to asy
 and greedy outputs equal plain decoding. Pure ANPD (synchronous) keeps its tables as long:
 each request's are built once.
 
-The async run keeps vLLM's own decision on CPU (`conftest.KEEP_VLLMS_ASYNC_DECISION`).
+The async run keeps vLLM's own decision on CPU (`conftest.KEEP_VLLMS_ASYNC_DECISION`). The draft
+length is fixed: the load-aware one may choose K=0 for a whole run of 16 requests on a CPU whose
+timings say drafting does not pay, and these tests need drafts to check the tables.
 """
 
 import pytest
@@ -74,7 +76,8 @@ def plain(tiny_llama_dir, requests):
 def test_hybrid_tables_absorb_exactly_the_tokens(tiny_llama_dir, random_heads_dir, requests, plain, async_scheduling):
     # Async: vLLM decides (None), and must pick async scheduling for the hybrid.
     run = run_llm(tiny_llama_dir, GENERATE,
-                  {"method": "amphista_anpd", "model": str(random_heads_dir), "num_speculative_tokens": K},
+                  {"method": "amphista_anpd", "model": str(random_heads_dir), "num_speculative_tokens": K,
+                   "draft_length": "fixed"},
                   llm_kwargs={"async_scheduling": None if async_scheduling else False, "max_num_seqs": 16},
                   args={"requests": requests}, prelude=KEEP_VLLMS_ASYNC_DECISION + RECORD_ABSORBED)
     assert run["async_scheduling"] is async_scheduling
@@ -95,7 +98,7 @@ def test_hybrid_tables_absorb_exactly_the_tokens(tiny_llama_dir, random_heads_di
 def test_anpd_tables_kept_through_preemption(tiny_llama_dir, requests, plain):
     # A KV cache of 12 blocks of 32 tokens: the scheduler preempts requests, which leave the batch
     # but not the runner, and come back with the same tokens.
-    run = run_llm(tiny_llama_dir, GENERATE, {"method": "anpd", "num_speculative_tokens": K},
+    run = run_llm(tiny_llama_dir, GENERATE, {"method": "anpd", "num_speculative_tokens": K, "draft_length": "fixed"},
                   llm_kwargs={"max_num_seqs": 16, "num_gpu_blocks_override": 12, "block_size": 32},
                   args={"requests": requests}, prelude=RECORD_ABSORBED)
     assert run["preemptions"] > 0
