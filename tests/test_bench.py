@@ -108,3 +108,11 @@ def test_serve_table_reports_medians_and_the_cost_of_recording():
     assert rows["amphista"][:3] == ["150.0", "1.50x", "-"]
     assert rows["amphista+recording"][:3] == ["147.0", "1.47x", "0.980x"]
     assert rows["amphista+recording"][5] == "1.50"
+
+
+def test_serve_repeats_alternate_the_order_of_the_rows():
+    from vllm_amphista.bench.serve import run_order
+
+    order = run_order(["amphista", "amphista+recording"], 3)
+    assert order == [(0, "amphista"), (0, "amphista+recording"), (1, "amphista+recording"), (1, "amphista"),
+                     (2, "amphista"), (2, "amphista+recording")]

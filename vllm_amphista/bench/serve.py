@@ -12,7 +12,9 @@ decoding measured in the same invocation.
 
 What recording served traffic costs: `--record-traffic DIR` adds, after each of the plugin's
 methods, the same server with `record_traffic` on (a fresh directory under DIR per run), and
-`--repeats N` runs the whole list N times in turn (interleaved) and reports each row's medians:
+`--repeats N` runs the whole list N times in turn (interleaved; every other repeat in reverse
+order, so a drift of the machine over the run does not favour the rows listed first) and reports
+each row's medians:
 
     python -m vllm_amphista.bench.serve --methods amphista --record-traffic .cache/record-bench \
         --repeats 3 --concurrency 1 4
@@ -74,6 +76,11 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(2)
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
+
+
+def run_order(rows: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, row) in the order they run: the list in turn, every other repeat reversed."""
+    return [(repeat, row) for repeat in range(repeats) for row in (rows if repeat % 2 == 0 else rows[::-1])]
 
 
 def serve_and_bench(args, row: str, repeat: int, out: Path) -> dict[int, dict]:
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="dir for the raw results and server logs (default: a temp dir)")
     parser.add_argument("--record-traffic", default=None, metavar="DIR",
                         help="also run each plugin method with record_traffic on, recording under DIR")
-    parser.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn; medians")
+    parser.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn, every other time reversed; medians")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -181,15 +188,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict[str, list[dict[int, dict]]] = {row: [] for row in rows}
-    for repeat in range(args.repeats):
-        for row in rows:
-            results[row].append(serve_and_bench(args, row, repeat, out))
+    for repeat, row in run_order(rows, args.repeats):
+        results[row].append(serve_and_bench(args, row, repeat, out))
     report = "\n\n".join([
         "## Serving benchmark",
         f"`vllm serve {args.target}` per method (compiled, multi-process, {args.dtype}, K={args.num_speculative_tokens}"
         f" -- adaptive for the plugin's methods), `vllm bench serve` with {args.num_prompts} Spec-Bench first turns "
         f"(chat endpoint, greedy, {args.max_tokens} tokens); {os.cpu_count()} CPUs ({dtype_choice.describe()}), "
-        f"started {started}; medians of {args.repeats} interleaved run(s) per row.",
+        f"started {started}; medians of {args.repeats} interleaved run(s) per row (every other repeat in reverse order).",
         *[table(results, concurrency) for concurrency in args.concurrency],
     ])
     print(report)
