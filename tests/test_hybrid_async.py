@@ -6,7 +6,8 @@ heads, repetitive and random prompts, early stops, a prompt at max_model_len), e
 tables must have absorbed exactly its prompt and output (tokens sampled past a stop may follow),
 built once, in both scheduling modes; vLLM's own choice admits the hybrid to async scheduling;
 and greedy outputs equal plain decoding. Pure ANPD is admitted too: the same checks, and the
-runner verifies each request's real draft only, not the scheduler's K placeholders. Synchronous
+runner verifies each request's real draft only, not the scheduler's K placeholders (except in
+steps with structured-output requests, whose grammar masks count every placeholder). Synchronous
 ANPD keeps its tables as long: each request's are built once.
 
 The async run keeps vLLM's own decision on CPU (`conftest.KEEP_VLLMS_ASYNC_DECISION`). The draft
@@ -127,6 +128,33 @@ def test_anpd_under_async_scheduling(tiny_llama_dir, requests, plain):
     # The scheduler placed K placeholders for every decoding request; the runner verified the real
     # drafts only (random prompts rarely have a match): all K would be verified without the cut.
     assert 0 < run["verified"] < run["accepted"]["vllm:spec_decode_num_draft_tokens"]
+
+
+STRUCTURED = """
+from vllm.sampling_params import StructuredOutputsParams
+
+prompts = [[17, 18] * 6, [19, 20, 21] * 4, [30, 31, 40, 2, 9] * 3]
+grammars = ["(w3|w4|w9)+", "(w5|w6|w7|w8)+", "(w10|w11|w12|w13|w14)+"]
+outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                       [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=g))
+                        for g in grammars])
+report({"token_ids": [list(output.outputs[0].token_ids) for output in outputs],
+        "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+        "accepted": metrics("vllm:spec_decode_num_accepted_tokens")})
+"""
+
+
+def test_anpd_under_async_scheduling_with_structured_outputs(tiny_llama_dir):
+    # Three requests, each held to its own grammar: vLLM's bitmask has a row per placeholder, so
+    # cutting one request's placeholders would hand the next ones other requests' masks.
+    spec = {"method": "anpd", "num_speculative_tokens": K, "draft_length": "fixed"}
+    plain = run_llm(tiny_llama_dir, STRUCTURED, llm_kwargs={"async_scheduling": None},
+                    prelude=KEEP_VLLMS_ASYNC_DECISION)
+    run = run_llm(tiny_llama_dir, STRUCTURED, spec, llm_kwargs={"async_scheduling": None},
+                  prelude=KEEP_VLLMS_ASYNC_DECISION)
+    assert run["async_scheduling"] is True
+    assert run["token_ids"] == plain["token_ids"]
+    assert run["accepted"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_anpd_tables_kept_through_preemption(tiny_llama_dir, requests, plain):

@@ -36,7 +36,8 @@ The patches:
    `ngram_gpu` drafts, `execute_model` works on a copy of the scheduler's output
    in which `_update_states` trims each request's draft placeholders to its real
    draft (`draft_lengths`), keeping the scheduler's count of placeholders for the
-   next step's correction of rejected drafts.
+   next step's correction of rejected drafts (not in a step with structured-output
+   requests: the grammar bitmask counts every placeholder; the padding is verified).
 6. `VllmConfig._get_v2_model_runner_unsupported_features` keeps our methods
    on the V1 model runner, the one these patches target.
 7. `EngineArgs.add_cli_args` adds `--speculative-model` and
@@ -357,7 +358,9 @@ def _dispatch_anpd_proposals() -> None:
             # Only the last pipeline rank has a drafter.
             if hasattr(getattr(self, "drafter", None), "drop_finished"):
                 self.drafter.drop_finished(scheduler_output.finished_req_ids)
-            if not _trims_drafts(self):
+            # The scheduler's grammar bitmask has 1+K rows per structured-output request: cutting
+            # any request's placeholders would shift the rows of the requests after it.
+            if not _trims_drafts(self) or scheduler_output.has_structured_output_requests:
                 return original(self, scheduler_output, *args, **kwargs)
             scheduled = _trim_to_real_drafts(scheduler_output, self.drafter.draft_lengths)
             result = original(self, scheduler_output, *args, **kwargs)
