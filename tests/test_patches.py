@@ -36,6 +36,29 @@ def test_expand_batch_to_tokens_is_right_with_the_plugin():
     assert report["results"] == [report["expected"]] * 3
 
 
+# A verification step in which no request drafted, holding a top-k-only sampled request: vLLM's torch
+# top-k path reduced k over no rows. Probed in a fresh process with the plugin loaded.
+TOP_K_OF_NO_ROWS_PROBE = """
+import json
+import torch
+from vllm.plugins import load_general_plugins
+
+if __name__ == "__main__":
+    load_general_plugins()
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    empty = apply_top_k_top_p_pytorch(torch.empty(0, 50), torch.empty(0, dtype=torch.int64), None, allow_cpu_sync=True)
+    logits = torch.arange(10, dtype=torch.float32).repeat(2, 1)
+    kept = apply_top_k_top_p_pytorch(logits, torch.tensor([3, 10]), None, allow_cpu_sync=True)
+    print("REPORT=" + json.dumps({"empty_shape": list(empty.shape), "kept": torch.isfinite(kept).sum(dim=1).tolist()}))
+"""
+
+
+def test_top_k_of_a_step_without_drafts_is_no_error():
+    report = report_of(run_python(TOP_K_OF_NO_ROWS_PROBE, timeout=300))
+    assert report == {"empty_shape": [0, 50], "kept": [3, 10]}
+
+
 def test_a_changed_vllm_signature_fails_loudly():
     from vllm_amphista.vllm.patches import VllmInternalsChanged, _expect_params
 

