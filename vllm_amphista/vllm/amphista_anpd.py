@@ -47,8 +47,8 @@ class AmphistaAnpdProposer(AmphistaProposer):
         """Every step, before bookkeeping and whether or not the drafter runs: each request's
         tables absorb the tokens it gained, from the sampler's [B, 1+K] output (-1 where rejected)."""
         # Async scheduling's bookkeeping counts placeholders: the length is known only without it.
-        self._lengths = self.tables.absorb_sampled(self.runner, sampled_token_ids.tolist(),
-                                                   length_known=not self.async_scheduling)
+        self._lengths, _ = self.tables.absorb_sampled(self.runner, sampled_token_ids.tolist(),
+                                                      length_known=not self.async_scheduling)
 
     def finalize_drafts(self, drafts: torch.Tensor | list[list[int]]) -> torch.Tensor | list[list[int]]:
         """Each request's final draft from its heads' chain and its tables."""

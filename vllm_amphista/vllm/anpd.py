@@ -55,27 +55,29 @@ class RequestTables:
             self.drafter.sync(req_id, input_batch.token_ids_cpu[row, :num_tokens])
         return room
 
-    def absorb_sampled(self, runner, sampled_rows: list[list[int]], length_known: bool) -> dict[str, int]:
+    def absorb_sampled(self, runner, sampled_rows: list[list[int]], length_known: bool
+                       ) -> tuple[dict[str, int], list[list[int]]]:
         """Each request that gained tokens this step absorbs them, from the sampler's [B, 1+K]
-        output read before bookkeeping (-1 where rejected); returns those requests' lengths.
-        `length_known`: the runner's count of tokens before this step holds no placeholders
-        (synchronous scheduling), so tables that missed a step are noticed and rebuilt."""
+        output read before bookkeeping (-1 where rejected); returns those requests' lengths, and
+        each row's valid tokens (none for a prefill chunk). `length_known`: the runner's count of
+        tokens before this step holds no placeholders (synchronous scheduling), so tables that
+        missed a step are noticed and rebuilt."""
         batch = runner.input_batch
         discarded = runner.discard_request_mask.np
         # Requests the scheduler skips for a step leave the batch, not the runner: keep their tables.
         self.drafter.retain_only(runner.requests)
-        lengths = {}
+        lengths, valid_rows = {}, []
         for row, sampled in enumerate(sampled_rows):
-            if discarded[row]:  # a prefill chunk samples nothing real
-                continue
-            new = [token for token in sampled if 0 <= token < batch.vocab_size]
+            # A prefill chunk samples nothing real.
+            new = [] if discarded[row] else [token for token in sampled if 0 <= token < batch.vocab_size]
+            valid_rows.append(new)
             if not new:
                 continue
             req_id, before = batch.req_ids[row], int(batch.num_tokens_no_spec[row])
             length = before + len(new) if length_known else None
             # A view: read only when the request's tables start.
             lengths[req_id] = self.absorb_step(req_id, new, batch.token_ids_cpu[row, :before], length)
-        return lengths
+        return lengths, valid_rows
 
     def absorb_step(self, req_id: str, new_tokens: list[int], tokens_before: np.ndarray, length: int | None) -> int:
         """Absorb the tokens a request gained this step and return its length, for a drafter that
@@ -146,13 +148,12 @@ class AnpdProposer:
         discarded) and count of valid tokens are kept for `take_next_token_ids`."""
         if not self.async_scheduling:
             return
-        rows = sampled_token_ids.tolist()
-        self._lengths = self.tables.absorb_sampled(self.runner, rows, length_known=False)
+        self._lengths, valid_rows = self.tables.absorb_sampled(self.runner, sampled_token_ids.tolist(),
+                                                               length_known=False)
         self.draft_lengths = {}  # no draft unless this step's propose runs
-        batch, discarded = self.runner.input_batch, self.runner.discard_request_mask.np
+        batch = self.runner.input_batch
         next_ids, counts = [], []
-        for row, sampled in enumerate(rows):
-            valid = [] if discarded[row] else [token for token in sampled if 0 <= token < batch.vocab_size]
+        for row, valid in enumerate(valid_rows):
             if valid:
                 next_ids.append(valid[-1])
             else:
