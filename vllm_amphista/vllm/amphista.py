@@ -145,17 +145,31 @@ class AmphistaStages(nn.Module):
         return torch.cat([stage1, self._run_stage(1, positions, stage1)], dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] logits -> ([...] each row's argmax, [...] its log-probability)."""
+    # fp32: the argmax of bf16 logits is several times slower on CPU, and the softmax needs it.
+    logits = logits.float()
+    best, token_ids = logits.max(dim=-1)
+    return token_ids, best - torch.logsumexp(logits, dim=-1)
+
+
 @support_torch_compile(dynamic_arg_dims={"stage_outputs": 0})
 class AmphistaHeads(nn.Module):
-    """The Auto-embedding Block on each request's last position: [B, 2H] stage outputs -> [B, K, H]."""
+    """The Auto-embedding Block on each request's last position: [B, 2H] stage outputs -> [B, K, H]
+    head features; given the drafter's own lm_head, each head's greedy token and its log-probability
+    ([B, K] each) in the same compiled graph."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", lm_head: nn.Module | None = None):
         super().__init__()
         self.block = AutoEmbeddingBlock(_drafter_config(vllm_config), _replicated_linear(vllm_config))
+        self.lm_head = lm_head
 
-    def forward(self, stage_outputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, stage_outputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         stage1, stage2 = stage_outputs.chunk(2, dim=-1)
-        return self.block(stage1, stage2)
+        heads = self.block(stage1, stage2)
+        if self.lm_head is None:
+            return heads
+        return greedy_tokens(self.lm_head(heads))
 
 
 class AmphistaDrafterForVLLM(nn.Module):
@@ -172,14 +186,16 @@ class AmphistaDrafterForVLLM(nn.Module):
         self.model = AmphistaStages(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
             start_layer_id=vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
-        self.heads = AmphistaHeads(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "heads"))
         # Heads that read several target layers get them from vLLM as its auxiliary hidden states
         # (the runner concatenates them), and combine them to one row per token before the stages.
         self.combine = (FeatureCombiner(config, _replicated_linear(vllm_config))
                         if config.target_feature_layers else None)
+        own_lm_head = None
         if config.has_own_lm_head:
-            # A draft vocabulary is small: whole on every rank, so no gather is needed.
-            self.lm_head = _replicated_linear(vllm_config)(config.hidden_size, config.output_vocab_size)
+            # A draft vocabulary is small: whole on every rank, so no gather is needed, and the heads'
+            # graph ends with it (registered there too; its parameter keeps the name lm_head.weight).
+            self.lm_head = own_lm_head = _replicated_linear(vllm_config)(config.hidden_size, config.output_vocab_size)
+        self.heads = AmphistaHeads(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "heads"), lm_head=own_lm_head)
         # The shared lm_head is the target's, split by vocabulary across tensor-parallel
         # ranks: vLLM's logits processor gathers the slices.
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -212,24 +228,24 @@ class AmphistaDrafterForVLLM(nn.Module):
     def draft(self, stage_outputs: torch.Tensor, num_tokens: int,
               with_confidence: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, 2H] stage outputs at each request's last position -> ([B, num_tokens] draft token ids,
-        [B, num_tokens] each head's probability of its own draft, or None without `with_confidence`:
-        the softmax's logsumexp over the draft vocabulary is then skipped).
+        [B, num_tokens] each head's probability of its own draft, or None without `with_confidence`).
 
         All K heads run (the encoder is bi-directional among them, as trained);
         the first `num_tokens` heads' greedy tokens form the chain.
         """
         batch = stage_outputs.shape[0]
         with set_forward_context(None, self.vllm_config, num_tokens=batch):
-            heads = self.heads(stage_outputs)[:, :num_tokens]
-        # fp32: the argmax of bf16 logits is several times slower on CPU, and the softmax needs it.
-        logits = self.compute_logits(heads.reshape(batch * num_tokens, -1)).float()
-        best, token_ids = logits.max(dim=-1)
-        confidence = None
-        if with_confidence:
-            confidence = torch.exp(best - torch.logsumexp(logits, dim=-1)).view(batch, num_tokens)
+            heads = self.heads(stage_outputs)
+        if self.has_own_lm_head:
+            token_ids, log_confidence = heads
+        else:
+            logits = self.compute_logits(heads.reshape(batch * self.config.num_draft_heads, -1))
+            token_ids, log_confidence = (x.view(batch, -1) for x in greedy_tokens(logits))
+        token_ids = token_ids[:, :num_tokens]
+        confidence = log_confidence[:, :num_tokens].exp() if with_confidence else None
         if self.draft_to_target is not None:
             token_ids = self.draft_to_target[token_ids]
-        return token_ids.view(batch, num_tokens), confidence
+        return token_ids, confidence
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
