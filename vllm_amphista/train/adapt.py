@@ -1,7 +1,7 @@
 """`adapt`: fine-tune served heads on the traffic they recorded (`record_traffic`).
 
     python -m vllm_amphista.train adapt --target T --recording DIR --heads HEADS \
-        --original-data .cache/data/first-features --out runs/adapted
+        --original-data .cache/data/all-layers --out runs/adapted
 
 The recording holds each served request's prompt and output token ids: the target's own outputs
 on the users' prompts, on-policy self-distillation data. `adapt` rebuilds the target's features
