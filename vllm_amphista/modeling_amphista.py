@@ -209,6 +209,14 @@ class AutoEmbeddingBlock(nn.Module):
         return self.final_norm(heads)
 
 
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., V] logits -> ([...] each row's argmax, [...] its log-probability)."""
+    # fp32: the argmax of bf16 logits is several times slower on CPU, and the softmax needs it.
+    logits = logits.float()
+    best, token_ids = logits.max(dim=-1)
+    return token_ids, best - torch.logsumexp(logits, dim=-1)
+
+
 def draft_logits(head_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
     """[N, K, H] head features -> [N, K, V] logits with the given vocabulary matrix."""
     return F.linear(head_hidden, lm_head_weight.to(head_hidden.dtype))

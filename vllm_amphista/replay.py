@@ -21,7 +21,7 @@ import torch
 
 from vllm_amphista.anpd import NgramTables
 from vllm_amphista.hybrid import hybrid_draft
-from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
+from vllm_amphista.modeling_amphista import AmphistaDrafter, greedy_tokens, target_features
 
 
 def accepted_prefix(draft: list[int], truth: list[int]) -> int:
@@ -67,9 +67,9 @@ def head_chains(target, drafter: AmphistaDrafter, token_ids: list[int]) -> tuple
     ids = torch.tensor([token_ids])
     hidden = target_features(target, ids, drafter.config.target_feature_layers)[:, :-1]
     embed = target.get_input_embeddings().weight
-    logits = drafter(hidden, ids[:, 1:], embed, target.get_output_embeddings().weight)[0].float()
-    best, draft_ids = logits.max(dim=-1)
-    probabilities = torch.exp(best - torch.logsumexp(logits, dim=-1))
+    draft_ids, log_probabilities = greedy_tokens(drafter(hidden, ids[:, 1:], embed,
+                                                         target.get_output_embeddings().weight)[0])
+    probabilities = log_probabilities.exp()
     if drafter.draft_to_target is not None:
         draft_ids = drafter.draft_to_target[draft_ids]
     return draft_ids, probabilities

@@ -63,7 +63,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
-from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, FeatureCombiner
+from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, FeatureCombiner, greedy_tokens
 from vllm_amphista.vllm.config import draft_length_mode
 
 # With a load-aware draft length, a request's draft stops where the product of its heads'
@@ -143,14 +143,6 @@ class AmphistaStages(nn.Module):
             return torch.cat([fused, fused], dim=-1)
         stage1 = self._run_stage(0, positions, fused)
         return torch.cat([stage1, self._run_stage(1, positions, stage1)], dim=-1)
-
-
-def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., V] logits -> ([...] each row's argmax, [...] its log-probability)."""
-    # fp32: the argmax of bf16 logits is several times slower on CPU, and the softmax needs it.
-    logits = logits.float()
-    best, token_ids = logits.max(dim=-1)
-    return token_ids, best - torch.logsumexp(logits, dim=-1)
 
 
 @support_torch_compile(dynamic_arg_dims={"stage_outputs": 0})
@@ -235,11 +227,11 @@ class AmphistaDrafterForVLLM(nn.Module):
         """
         batch = stage_outputs.shape[0]
         with set_forward_context(None, self.vllm_config, num_tokens=batch):
-            heads = self.heads(stage_outputs)
+            heads_out = self.heads(stage_outputs)
         if self.has_own_lm_head:
-            token_ids, log_confidence = heads
+            token_ids, log_confidence = heads_out
         else:
-            logits = self.compute_logits(heads.reshape(batch * self.config.num_draft_heads, -1))
+            logits = self.compute_logits(heads_out.reshape(batch * self.config.num_draft_heads, -1))
             token_ids, log_confidence = (x.view(batch, -1) for x in greedy_tokens(logits))
         token_ids = token_ids[:, :num_tokens]
         confidence = log_confidence[:, :num_tokens].exp() if with_confidence else None
