@@ -75,7 +75,36 @@ def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_di
         assert cells[-2] == "1.00"  # tau: nothing was ever drafted
     assert rows["amphista"][-4] != "-" and rows["amphista"][-3].endswith("x")  # drafter floor and ratio
     assert rows["anpd"][-4] == "-"
-    assert "drafter floor: the heads' weights are" in completed.stdout
+    assert "drafter floor: weights read per drafting step against the target's (amphista " in completed.stdout
+
+
+def test_drafter_floor_counts_the_weights_each_drafting_step_reads(tmp_path):
+    """A drafter without an lm_head reads the target's too, and EAGLE reads its weights once per
+    chained pass; a drafter with its own lm_head reads only its dir, once."""
+    import argparse
+
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_amphista.bench.steps import drafter_weights_per_step
+
+    def model_dir(name, tensors, config=None):
+        directory = tmp_path / name
+        directory.mkdir()
+        save_file(tensors, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(config or {}))
+        return str(directory)
+
+    target = model_dir("target", {"embed_tokens.weight": torch.zeros(10, 4), "layer.weight": torch.zeros(4, 4)},
+                       {"vocab_size": 10, "hidden_size": 4})
+    shares_lm_head = model_dir("eagle", {"layer.weight": torch.zeros(4, 4)})
+    own_lm_head = model_dir("amphista", {"layer.weight": torch.zeros(4, 4), "lm_head.weight": torch.zeros(5, 4),
+                                         "draft_to_target": torch.zeros(5, dtype=torch.int64)})
+    args = argparse.Namespace(target=target, heads=own_lm_head, eagle_heads=shares_lm_head, medusa_heads=shares_lm_head,
+                              dflash_drafter=None, num_speculative_tokens=3)
+    assert drafter_weights_per_step(args, "amphista") == 16 + 20
+    assert drafter_weights_per_step(args, "medusa") == 16 + 40
+    assert drafter_weights_per_step(args, "eagle") == 3 * (16 + 40)
 
 
 def test_drafter_profile_groups_the_drafters_ops(tiny_llama_dir, random_heads_dir, tmp_path):

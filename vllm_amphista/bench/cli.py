@@ -68,8 +68,8 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_amphista.assets import DEMO_TARGET, SHIPPED_EAGLE_HEADS, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
-from vllm_amphista.bench.args import ALL_METHODS, parse_methods, positive_int
+from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
+from vllm_amphista.bench.args import ALL_METHODS, add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
 from vllm_amphista.bench.engines import ENGINE_CORE_MODES, EngineFailed, EngineProcess, engine_label, set_engine_env
 from vllm_amphista.bench.report import (
     MethodRun,
@@ -84,9 +84,6 @@ from vllm_amphista.cpu_dtype import choose_cpu_dtype
 from vllm_amphista.prompts import DataError, Question, load_questions
 from vllm_amphista.vllm.config import DRAFT_LENGTH_MODES, PLUGIN_METHODS
 
-# Methods that draft with trained weights, and the flag naming their dir.
-HEADS_FLAG = {"amphista": "heads", "amphista_anpd": "heads", "medusa": "medusa_heads", "eagle": "eagle_heads",
-              "dflash": "dflash_drafter"}
 QUICK = {"per_category": 2, "max_tokens": 32, "repeats": 1, "concurrency": [1]}
 
 
@@ -106,7 +103,7 @@ def planned_rows(args) -> list[MethodRun]:
     one row per --draft-length: "amphista" (adaptive, the default) and "amphista[fixed K]"."""
     rows = []
     for method in args.methods:
-        heads_dir = getattr(args, HEADS_FLAG[method]) if method in HEADS_FLAG else None
+        heads_dir = drafter_dir(args, method)
         if method not in PLUGIN_METHODS:
             rows.append(MethodRun(method, method, heads_dir))
             continue
@@ -226,14 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-length", nargs="+", choices=DRAFT_LENGTH_MODES, default=["adaptive"],
                         help="for anpd and amphista: adaptive (load-aware K up to -k, the plugin's default) and/or "
                              "fixed (always -k); with both, each gets a row (default: %(default)s)")
-    parser.add_argument("--heads", default=SHIPPED_HEADS, help="Amphista heads dir (default: the shipped heads)")
-    parser.add_argument("--medusa-heads", default=None,
-                        help="Medusa heads dir for vLLM's medusa method (default: <target>-medusa, which "
-                             "`python -m vllm_amphista.demo_target` assembles from the shipped baseline)")
-    parser.add_argument("--eagle-heads", default=SHIPPED_EAGLE_HEADS,
-                        help="EAGLE drafter dir for vLLM's eagle method (default: the shipped baseline)")
-    parser.add_argument("--dflash-drafter", default=None,
-                        help="DFlash drafter dir (`train fit --method dflash`) for vLLM's dflash method")
+    add_drafter_dir_flags(parser)
     parser.add_argument("--ablation", type=parse_ablation, action="append", default=[], metavar="NAME=DIR",
                         help="extra Amphista heads dir, shown as row amphista[NAME]; repeatable")
     parser.add_argument("--engine", choices=("compiled", "eager"), default="compiled",
@@ -264,7 +254,6 @@ def main(argv: list[str] | None = None) -> None:
         vars(args).update(QUICK)
     dtype_choice = choose_cpu_dtype()
     args.dtype = args.dtype or dtype_choice.dtype
-    args.medusa_heads = args.medusa_heads or args.target.rstrip("/") + "-medusa"
     set_engine_env(kv_cache_gib=1)  # the engine subprocesses inherit it
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     out = Path(args.out)

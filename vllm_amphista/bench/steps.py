@@ -17,10 +17,13 @@ timers wrapped around the model runner's parts record every engine step:
 - input prep: state update, input and attention-metadata preparation;
 - other: the rest of the engine step (scheduler, bookkeeping, output processing).
 
-For Amphista rows, "drafter floor" is what reading the heads' weights once
-costs at the plain step's pace: (heads' weights / target's weights) x the plain
-step in the same engine mode and run; "drafter / floor" is the drafter's time
-over it. (Heads that share the target's lm_head also read that: not counted.)
+For rows that draft with trained weights (Amphista, Medusa, EAGLE, DFlash),
+"drafter floor" is what reading the weights a drafting step needs costs at the
+plain step's pace: (weights read per step / target's weights) x the plain step
+in the same engine mode and run; "drafter / floor" is the drafter's time over
+it. Weights read per step: the drafter dir's weights, plus the target's lm_head
+where the drafter shares it (no lm_head in its dir), once per drafter pass:
+one pass for Amphista, Medusa and DFlash, K chained passes for EAGLE.
 
 Only decode steps count (a step that admits a new request is its prefill).
 The timers read wall-clock time around Python calls, so what runs inside a
@@ -32,14 +35,15 @@ computes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from vllm_amphista.assets import DEMO_TARGET, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
-from vllm_amphista.bench.args import parse_methods, positive_int
+from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
+from vllm_amphista.bench.args import add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
 from vllm_amphista.bench.engines import EngineProcess, set_engine_env
 from vllm_amphista.bench.report import markdown_table
 from vllm_amphista.bench.timers import PARTS
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engines", default="eager,compiled",
                         type=lambda value: [engine.strip() for engine in value.split(",")],
                         help="eager and/or compiled (vLLM's default) engines (default: %(default)s)")
-    parser.add_argument("--heads", default=SHIPPED_HEADS, help="Amphista heads dir (default: the shipped heads)")
+    add_drafter_dir_flags(parser)
     parser.add_argument("--questions", nargs="+", default=[SPEC_BENCH_QUESTIONS], metavar="JSONL")
     parser.add_argument("--categories", default="writing,coding,math_reasoning",
                         type=lambda value: [c.strip() for c in value.split(",") if c.strip()],
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"building {method} ({engine}) ...", file=sys.stderr)
             engines[method, engine] = EngineProcess(
                 dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
-                     heads_dir=args.heads if method.startswith("amphista") else None, dtype=args.dtype,
+                     heads_dir=drafter_dir(args, method), dtype=args.dtype,
                      max_model_len=args.max_model_len, concurrency=1, enforce_eager=engine == "eager",
                      draft_length=args.draft_length if method in PLUGIN_METHODS or args.draft_length == "off"
                      else None),
@@ -112,13 +116,14 @@ def main(argv: list[str] | None = None) -> None:
     body = []
     plain = {engine: _median_ms(runs["vanilla", engine])["total"] for engine in args.engines
              if ("vanilla", engine) in runs}
-    # The drafter's weights against the target's: reading them once is its floor, at the plain step's pace.
-    drafter_share = weight_count(args.heads) / weight_count(args.target)
+    target_weights = weight_count(args.target)
+    drafter_share = {method: drafter_weights_per_step(args, method) / target_weights for method in args.methods
+                     if drafter_dir(args, method) is not None}
     for method, engine in rows:
         ms = _median_ms(runs[method, engine])
         tau = statistics.median(result.tau for result in runs[method, engine])
         cost = f"{ms['total'] / plain[engine]:.2f}x" if engine in plain else "-"
-        floor = drafter_share * plain[engine] if engine in plain and method.startswith("amphista") else None
+        floor = drafter_share[method] * plain[engine] if engine in plain and method in drafter_share else None
         body.append([method, engine, f"{ms['total']:.2f}", cost, *(f"{ms[part]:.2f}" for part in PARTS),
                      f"{ms['drafter'] + ms['drafter glue']:.2f}",
                      "-" if floor is None else f"{floor:.2f}",
@@ -127,26 +132,43 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ms per decode step (median of {args.repeats} runs; {len(prompts)} prompts, {args.max_tokens} tokens, "
           f"concurrency 1, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for the plugin's "
           f"methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
-    print(f"drafter floor: the heads' weights are {100 * drafter_share:.1f}% of the target's, so reading them "
-          "once costs that share of a plain step (same engine, same run)\n")
+    shares = ", ".join(f"{method} {100 * share:.1f}%" for method, share in drafter_share.items())
+    print(f"drafter floor: weights read per drafting step against the target's ({shares}) times the plain step "
+          "(same engine, same run)\n")
     print(markdown_table(["method", "engine", "step", "vs plain", *PARTS, "drafter + glue", "drafter floor",
                           "drafter / floor", "tau", "steps"], body))
 
 
-def weight_count(model_dir: str) -> int:
-    """Floating-point weights in a model dir's safetensors files (tied weights are stored once)."""
+def drafter_weights_per_step(args, method: str) -> int:
+    """Weights a drafting step of `method` reads: its dir's, plus the target's lm_head if it shares
+    it, once per drafter pass (EAGLE chains K passes)."""
+    directory = drafter_dir(args, method)
+    weights = weight_count(directory)
+    if not any("lm_head" in name for name in weight_shapes(directory)):
+        config = json.loads((Path(args.target) / "config.json").read_text())
+        weights += config["vocab_size"] * config["hidden_size"]
+    return weights * (args.num_speculative_tokens if method == "eagle" else 1)
+
+
+def weight_shapes(model_dir: str) -> dict[str, list[int]]:
+    """Name -> shape of the floating-point tensors in a model dir's safetensors files."""
     from safetensors import safe_open
 
-    total = 0
+    shapes = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as tensors:
             for name in tensors.keys():
                 piece = tensors.get_slice(name)
                 if piece.get_dtype().startswith(("F", "BF")):
-                    total += math.prod(piece.get_shape())
-    if not total:
+                    shapes[name] = piece.get_shape()
+    if not shapes:
         raise FileNotFoundError(f"no floating-point safetensors weights in {model_dir}")
-    return total
+    return shapes
+
+
+def weight_count(model_dir: str) -> int:
+    """Floating-point weights in a model dir's safetensors files (tied weights are stored once)."""
+    return sum(math.prod(shape) for shape in weight_shapes(model_dir).values())
 
 
 def _median_ms(results) -> dict[str, float]:
