@@ -52,6 +52,12 @@ def layered_heads(tiny_llama_dir, tmp_path_factory):
                               target_feature_layers=LAYERS)
 
 
+@pytest.fixture(scope="module")
+def last_layer_heads(tiny_llama_dir, tmp_path_factory):
+    """Heads without target_feature_layers: what every heads dir was before the option existed."""
+    return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("last_layer_heads"), num_draft_heads=3)
+
+
 def test_features_records_each_layers_stream(tiny_llama_dir, layered_dataset):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     final, layered = Dataset([layered_dataset]), Dataset([layered_dataset], LAYERS)
@@ -115,19 +121,24 @@ report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_h
 """
 
 
-def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, tmp_path):
+@pytest.mark.parametrize("layers", [LAYERS, None], ids=["layered", "last-layer"])
+def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, last_layer_heads,
+                                                                   tmp_path, layers):
+    """Heads reading several target layers, and heads from before the option (the final norm's
+    output only), draft in vLLM what the reference drafter drafts."""
+    heads = layered_heads if layers else last_layer_heads
     prompt = [12, 40, 41, 12, 40, 41, 12, 40, 41, 12, 57]
-    run = run_llm(tiny_llama_dir, RECORD_DRAFTS_BODY, {"method": "amphista", "model": str(layered_heads),
+    run = run_llm(tiny_llama_dir, RECORD_DRAFTS_BODY, {"method": "amphista", "model": str(heads),
                                                        "num_speculative_tokens": 3, "draft_length": "fixed"},
                   args={"prompt": prompt, "path": str(tmp_path / "calls.pt")})
-    assert run["aux"]
+    assert run["aux"] == bool(layers)  # vLLM captures the target's layers only for layered heads
     ids = torch.tensor([prompt + run["output"]])
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    reference = AmphistaDrafter.from_pretrained(layered_heads, dtype=torch.float32).eval()
+    reference = AmphistaDrafter.from_pretrained(heads, dtype=torch.float32).eval()
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as weights:
         embed = weights.get_tensor("model.embed_tokens.weight").float()
     with torch.no_grad():
-        features = target_features(model, ids, LAYERS)
+        features = target_features(model, ids, layers)
         # Row t drafts once x_{t+1} is known: the heads' view of the final sequence.
         reference_drafts = reference(features[:, :-1], ids[:, 1:], embed, embed)[0].argmax(dim=-1)  # tied lm_head
     compared, positions = 0, None
