@@ -538,3 +538,22 @@ def test_bad_inputs_give_clear_errors(tiny_llama_dir, dataset_dir, trained_heads
         with pytest.raises(SystemExit):
             main(["eval", "--target", str(other_target), "--data", str(dataset_dir), "--heads", str(heads)])
         assert "built for hidden size 128 and vocab 320" in capsys.readouterr().err, method
+
+
+def test_self_prompts_open_a_user_turn_and_keep_distinct_complete_requests(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from vllm_amphista.prompts import chat_prompt_ids
+    from vllm_amphista.train.self_prompts import keep_request, request_key, user_turn_prefix
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prefix = user_turn_prefix(tokenizer)
+    request = " ".join(TINY_WORDS[7:11])
+    prompt = chat_prompt_ids(tokenizer, request)
+    # What the target continues from is exactly what stands before a user's words in a real prompt.
+    assert prompt[:len(prefix)] == prefix and tokenizer.decode(prompt[len(prefix):]).startswith(TINY_WORDS[7])
+    assert request_key("Write a poem, about  the sea!") == request_key("write a poem about the sea")
+    assert keep_request("Write a poem about the sea.", finished=True)
+    assert not keep_request("Write a poem about the sea.", finished=False)  # cut by the token limit
+    assert not keep_request("Hi", finished=True)
+    assert not keep_request("Tell me <|im_start|>assistant about it", finished=True)

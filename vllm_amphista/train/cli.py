@@ -1,5 +1,5 @@
 """Command line: python -m vllm_amphista.train {mix,generate,features,export-tokens,fit,eval,curve,adapt,
-stdlib-prompts} --help
+stdlib-prompts,self-prompts} --help
 
 `fit` and `eval` flags mirror the fields of FitOptions / EvalOptions (one
 flag per field, dashes for underscores; a boolean that defaults to True is
@@ -100,6 +100,10 @@ CHOICES = {"method": METHODS, "objective": OBJECTIVES, "precision": PRECISIONS,
            **{name: sorted(DTYPES) for name in ("save_dtype", "generation_dtype")}}
 
 
+FEATURE_LAYERS_HELP = ("also record the residual stream after each of these numbers of target layers "
+                       "(for `fit --target-feature-layers`; the engine runs eager)")
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, options_class, helps: dict[str, str]) -> None:
     hints = typing.get_type_hints(options_class)
     for option in dataclasses.fields(options_class):
@@ -172,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--skip-answered", metavar="ANSWERS_DIR",
                           help="skip the shards this answers directory (`export-tokens`) already holds")
     generate.add_argument("--enforce-eager", action="store_true", help="disable vLLM's compilation")
+    generate.add_argument("--feature-layers", type=int, nargs="+",
+                          help=FEATURE_LAYERS_HELP)
     generate.add_argument("--no-chat-template", dest="use_chat_template", action="store_false",
                           help="send raw prompts instead of applying the target's chat template")
 
@@ -187,8 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "differ from float32's by bf16 rounding)")
     features.add_argument("--hidden-dtype", default="bfloat16", choices=sorted(DTYPES))
     features.add_argument("--feature-layers", type=int, nargs="+",
-                          help="also record the residual stream after each of these numbers of target layers "
-                               "(for `fit --target-feature-layers`; the engine runs eager)")
+                          help=FEATURE_LAYERS_HELP)
     features.add_argument("--top-k", type=int, default=8)
     features.add_argument("--max-model-len", type=int, default=1024, help="default: %(default)s")
     features.add_argument("--concurrency", type=int, default=64, help="requests in flight (default: %(default)s)")
@@ -214,13 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     curve.add_arguments(commands.add_parser(
         "curve", help="tau of heads dirs trained on more and more data, by greedy replay on held-out "
                       "Spec-Bench answers (table and plot)"))
-    from vllm_amphista.train import adapt, stdlib_prompts
+    from vllm_amphista.train import adapt, self_prompts, stdlib_prompts
 
     adapt.add_arguments(commands.add_parser(
         "adapt", help="fine-tune served heads on the traffic they recorded (record_traffic), resumable"))
     stdlib_prompts.add_arguments(commands.add_parser(
         "stdlib-prompts", help="a code domain from this Python's standard library, split by module into a "
                                "served half and a test half"))
+    self_prompts.add_arguments(commands.add_parser(
+        "self-prompts", help="user requests the target writes itself (Magpie): a question file for `generate`",
+        description=self_prompts.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -296,7 +304,7 @@ def run_generate(args: argparse.Namespace) -> None:
     options = dict(max_tokens=args.max_tokens, dtype=args.dtype, hidden_dtype=args.hidden_dtype, top_k=args.top_k,
                    max_model_len=args.max_model_len, concurrency=args.concurrency, shard_size=args.shard_size,
                    enforce_eager=args.enforce_eager, use_chat_template=args.use_chat_template, seed=args.seed,
-                   answered=args.skip_answered)
+                   answered=args.skip_answered, feature_layers=args.feature_layers)
     if args.tokens:
         totals = generate_module.generate_dataset(args.target, args.out, token_samples=read_token_file(args.tokens),
                                                   **options)
@@ -367,6 +375,11 @@ def main(argv: list[str] | None = None) -> None:
             from vllm_amphista.train.stdlib_prompts import build
 
             print(json.dumps(build(args.out_dir, args.per_module, args.max_docstring_lines)))
+        elif args.command == "self-prompts":
+            from vllm_amphista.train.self_prompts import write_self_prompts
+
+            print(json.dumps(write_self_prompts(args.target, args.out, args.count, args.max_tokens, args.temperature,
+                                                args.top_p, args.dtype, args.seed)))
         elif args.command == "adapt":
             from vllm_amphista.train.adapt import run_adapt
 

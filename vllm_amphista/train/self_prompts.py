@@ -1,0 +1,93 @@
+"""`self-prompts`: requests the target writes itself, for self-distillation beyond Alpaca and GSM8K.
+
+Given only the chat template's opening of a user turn, an instruction-tuned model writes a user
+request of the kinds it was tuned on (Magpie, arXiv 2406.08464). Sampled many times, filtered and
+deduplicated, they become a question file that `generate` answers greedily. Heads then learn from
+the target's own answers on the spread of requests the target expects, not only on the two sources
+in `../shared/data/train`. Nothing comes from Spec-Bench or MT-Bench.
+
+    python -m vllm_amphista.train self-prompts --target models/SmolLM2-135M-Instruct \\
+        --count 6000 --out .cache/data/self_prompts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+SENTINEL = "\x00user request\x00"
+CATEGORY = "self"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model directory (an instruction-tuned chat model)")
+    parser.add_argument("--out", required=True, help="question file to write (JSONL: question_id, category, turns)")
+    parser.add_argument("--count", type=int, default=6000, help="distinct requests to keep (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--dtype", help="engine dtype (default: the one cpu_dtype chooses)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of a chat up to where a user's first message begins (the default system turn included)."""
+    if not tokenizer.chat_template:
+        raise ValueError("the target's tokenizer has no chat template: it was not tuned on user turns")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    if text.count(SENTINEL) != 1:
+        raise ValueError("the chat template does not show a user message verbatim")
+    return tokenizer(text.split(SENTINEL)[0], add_special_tokens=False)["input_ids"]
+
+
+def request_key(text: str) -> str:
+    """Requests that differ only in case, spacing or punctuation share a key."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+def keep_request(text: str, finished: bool) -> bool:
+    """A request worth answering: complete (ended by the end of the turn), a few words, no chat markup."""
+    words = text.split()
+    return finished and 3 <= len(words) <= 200 and "<|" not in text and "|>" not in text
+
+
+def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_tokens: int = 128,
+                       temperature: float = 1.0, top_p: float = 0.95, dtype: str | None = None, seed: int = 0) -> dict:
+    """Sample user requests from `target` until `count` distinct ones are kept (or eight rounds have
+    run); write them as a question file. Returns the counts."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_amphista.cpu_dtype import choose_cpu_dtype
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prefix = user_turn_prefix(tokenizer)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stop_ids = [token for token in {end_of_turn, tokenizer.eos_token_id} if isinstance(token, int) and token >= 0]
+    llm = LLM(model=target, dtype=dtype or choose_cpu_dtype().dtype, seed=seed,
+              max_model_len=len(prefix) + max_tokens + 8, enable_prefix_caching=True)
+    # One engine-seeded stream for all (vLLM-CPU refuses per-request seeds).
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop_token_ids=stop_ids)
+    kept: dict[str, str] = {}
+    sampled = 0
+    for _ in range(8):
+        if len(kept) >= count:
+            break
+        wanted = int((count - len(kept)) * 1.3) + 16
+        outputs = llm.generate([{"prompt_token_ids": prefix}] * wanted, params, use_tqdm=True)
+        sampled += wanted
+        for output in outputs:
+            completion = output.outputs[0]
+            text = completion.text.strip()
+            if keep_request(text, completion.finish_reason == "stop"):
+                kept.setdefault(request_key(text), text)
+            if len(kept) >= count:
+                break
+    records = [{"question_id": f"self-{index}", "category": CATEGORY, "turns": [text]}
+               for index, text in enumerate(kept.values())]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return {"sampled": sampled, "kept": len(records)}
