@@ -82,14 +82,6 @@ def recorded_draft(stage_outputs, num_tokens, *options):
     calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
     return token_ids, confidence
 
-if model.combine is not None:  # heads that read several target layers: their rows before combining
-    combine_forward = model.combine.forward
-
-    def recorded_combine(features):
-        calls.append(("features", features.clone()))
-        return combine_forward(features)
-
-    model.combine.forward = recorded_combine
 model.forward, model.draft = recorded_forward, recorded_draft
 outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=48))
 torch.save(calls, args["path"])
@@ -123,14 +115,9 @@ def test_vllm_drafter_drafts_what_the_reference_drafter_drafts(tokenizer, tmp_pa
     seen_ids, seen_hidden = {}, {}  # position -> what the drafter was fed there, as finally accepted
     compared = 0
     stage_call = None
-    features = None  # the target layers' rows behind the next stage call, for layered heads
     for call in calls:
-        if call[0] == "features":
-            features = call[1]
-            continue
-        if call[0] == "stages":
-            # The reference combines the target's layers itself: give it the rows before combining.
-            stage_call = call if features is None else (*call[:3], features, call[4])
+        if call[0] == "stages":  # layered heads: the stages are fed the target's layers uncombined, as the reference
+            stage_call = call
             continue
         _, stage_outputs, engine_drafts = call
         _, input_ids, positions, hidden, outputs = stage_call

@@ -3,16 +3,16 @@
 In a real engine, a draft-length schedule with K=0 stretches (one shorter and one longer than the
 backlog bound) runs the same requests twice: stages deferred, and stages run on every step. The
 drafts after every stretch must be the same token for token (the catch-up pass wrote the KV the
-skipped steps would have), the stages must really have been skipped, and greedy outputs must
-equal plain decoding. Async scheduling (padded drafts, rejected rows in the next step's inputs)
-and synchronous scheduling (rejected rows dropped) both run (async kept on CPU as in
-`conftest.KEEP_VLLMS_ASYNC_DECISION`).
+skipped steps would have), for heads reading one target layer or several, the stages must really
+have been skipped, and greedy outputs must equal plain decoding. Async scheduling (padded drafts,
+rejected rows in the next step's inputs) and synchronous scheduling (rejected rows dropped) both run
+(async kept on CPU as in `conftest.KEEP_VLLMS_ASYNC_DECISION`).
 """
 
 import pytest
 import torch
 
-from conftest import KEEP_VLLMS_ASYNC_DECISION, run_engine, run_llm
+from conftest import KEEP_VLLMS_ASYNC_DECISION, build_random_heads, run_engine, run_llm
 from vllm_amphista.vllm.amphista import MAX_DEFERRED_POSITIONS
 
 K = 3
@@ -66,12 +66,21 @@ report(runs)
 """
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.fixture(scope="module")
+def layered_heads_dir(tiny_llama_dir, tmp_path_factory):
+    """Heads reading both target layers: their stage inputs are owed uncombined, [m, 2H] per request."""
+    return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("layered_heads"), target_feature_layers=[1, 2])
+
+
+@pytest.mark.parametrize("async_scheduling,layered", [(True, False), (False, False), (False, True)],
+                         ids=["async", "sync", "sync-layered-heads"])
 def test_drafts_after_skipped_stages_equal_drafts_of_stages_run_every_step(tiny_llama_dir, random_heads_dir,
-                                                                           tmp_path, async_scheduling):
+                                                                           layered_heads_dir, tmp_path,
+                                                                           async_scheduling, layered):
     path = str(tmp_path / "drafts")
+    heads = layered_heads_dir if layered else random_heads_dir
     runs = run_llm(tiny_llama_dir, SCENARIO,
-                   {"method": "amphista", "model": str(random_heads_dir), "num_speculative_tokens": K,
+                   {"method": "amphista", "model": str(heads), "num_speculative_tokens": K,
                     "draft_length": "fixed"},
                    llm_kwargs={"enable_prefix_caching": False, "async_scheduling": async_scheduling},
                    args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES}, prelude=KEEP_VLLMS_ASYNC_DECISION)

@@ -106,7 +106,8 @@ def _replicated_linear(vllm_config: VllmConfig):
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "hidden_states": 0})
 class AmphistaStages(nn.Module):
     """Fusion of h_t with the sampled token's embedding, then the Staged Adaptation Layers over
-    every scheduled token, in vLLM's paged KV; compiled with the target as vLLM's EAGLE model is."""
+    every scheduled token, in vLLM's paged KV; compiled with the target as vLLM's EAGLE model is.
+    Heads that read several target layers combine them here, in the same graph."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", start_layer_id: int = 0):
         super().__init__()
@@ -114,6 +115,9 @@ class AmphistaStages(nn.Module):
         self.config = config
         # Replaced by the target's embedding when the proposer loads the drafter.
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # The runner concatenates the target layers' streams (vLLM's auxiliary hidden states).
+        self.combine = (FeatureCombiner(config, _replicated_linear(vllm_config))
+                        if config.target_feature_layers else None)
         fuse_in = 2 * config.hidden_size if config.use_sampled_token else config.hidden_size
         self.fuse = _replicated_linear(vllm_config)(fuse_in, config.hidden_size)
         num_stage_layers = NUM_STAGES * config.stage_num_layers if config.use_stages else 0
@@ -134,7 +138,10 @@ class AmphistaStages(nn.Module):
         return hidden + residual
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """input_ids[i] is the token sampled after hidden_states[i] -> [N, 2H] both stages' outputs."""
+        """input_ids[i] is the token sampled after hidden_states[i] ([N, H], or [N, n*H] for n target
+        layers) -> [N, 2H] both stages' outputs."""
+        if self.combine is not None:
+            hidden_states = self.combine(hidden_states)
         if self.config.use_sampled_token:
             fused = self.fuse(torch.cat([self.embed_tokens(input_ids), hidden_states], dim=-1))
         else:
@@ -178,10 +185,6 @@ class AmphistaDrafterForVLLM(nn.Module):
         self.model = AmphistaStages(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
             start_layer_id=vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
-        # Heads that read several target layers get them from vLLM as its auxiliary hidden states
-        # (the runner concatenates them), and combine them to one row per token before the stages.
-        self.combine = (FeatureCombiner(config, _replicated_linear(vllm_config))
-                        if config.target_feature_layers else None)
         own_lm_head = None
         if config.has_own_lm_head:
             # A draft vocabulary is small: whole on every rank, so no gather is needed, and the heads'
@@ -254,9 +257,9 @@ class AmphistaDrafterForVLLM(nn.Module):
                     if hf_name in name:
                         name, shard = name.replace(hf_name, vllm_name), shard_id
                         break
-            elif name == "fuse.weight":
-                name = "model.fuse.weight"
-            elif name not in ("lm_head.weight", "draft_to_target") and not name.startswith("combine."):
+            elif name == "fuse.weight" or name.startswith("combine."):
+                name = f"model.{name}"
+            elif name not in ("lm_head.weight", "draft_to_target"):
                 name = f"heads.block.{name}"
             if name not in params:
                 raise ValueError(f"Amphista checkpoint has an unexpected tensor {name!r}")
@@ -280,7 +283,7 @@ class DeferredStageRows:
 
     first_position: int
     token_ids: torch.Tensor  # [m] the token sampled after each position
-    hidden_states: torch.Tensor  # [m, H] the target's (combined) features at each position
+    hidden_states: torch.Tensor  # [m, H] or [m, n*H]: the target's features at each position
 
     @property
     def end_position(self) -> int:
@@ -312,6 +315,10 @@ class AmphistaProposer(EagleProposer):
         if self.uses_mrope:
             raise ValueError("the Amphista drafter takes one position per token, not M-RoPE positions")
         self.target_uses_mrope = vllm_config.model_config.uses_mrope
+        config = _drafter_config(vllm_config)
+        if config.target_feature_layers:  # the stages take the target layers' streams uncombined
+            self.hidden_states = torch.zeros((self.max_num_tokens, config.feature_size), dtype=self.dtype,
+                                             device=device)
 
     def _set_positions(self, num_tokens: int, positions: torch.Tensor) -> None:
         # vLLM's reads the target's `uses_mrope` (a walk of its HF config, ~0.1 ms on CPU) every call.
@@ -348,8 +355,6 @@ class AmphistaProposer(EagleProposer):
         without `with_confidence`)."""
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
-        if self.model.combine is not None:  # [N, n*H] target layers -> [N, H], as EAGLE-3 combines them
-            target_hidden_states = self.model.combine(target_hidden_states)
         cad = common_attn_metadata
         req_ids = self.runner.input_batch.req_ids[:cad.num_reqs]
         # A decode step (no prefill chunk) that drafts nothing may leave the stages for later.
