@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from vllm_amphista.assets import SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.greedy_answers import greedy_answers
@@ -60,7 +61,7 @@ def run_curve(args: argparse.Namespace) -> dict:
     for heads, tokens, note in zip(args.heads, args.output_tokens, args.notes or [""] * len(args.heads)):
         drafter = AmphistaDrafter.from_pretrained(heads, dtype=torch.float32).eval()
         chains = {id(record): head_chains(target, drafter, record["prompt_ids"] + record["output_ids"])
-                  for record in records}
+                  for record in tqdm(records, desc=f"replaying {heads}", unit="answer")}
         taus = {rule: tau_by_category(records, lambda record, rule=rule: hybrid_steps(
                     record, chains[id(record)], rule, NGRAM_WEIGHT, args.k, max_n))
                 for rule in ("heads", HYBRID_RULE)}
