@@ -36,7 +36,7 @@ demo: setup target
 	$(PRELOAD) $(PY) examples/quickstart.py --target $(TARGET)
 
 test: setup target
-	$(TEST_ENV) $(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
 test-slow: setup target
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests
