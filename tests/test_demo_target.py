@@ -55,6 +55,35 @@ def test_converted_target_answers_sensibly(tokenizer):
     assert "Paris" in answer, answer
 
 
+COPY_BODY = """
+outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=64))
+report({"async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+        "accepted_per_position": [list(m.values) for m in llm.get_metrics()
+                                  if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos"][0]})
+"""
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_hybrid_drafts_past_the_heads_where_the_answer_copies(tokenizer, async_scheduling):
+    # K=8 with 4 heads: in a copied text the N-gram tables continue the heads' chain, in both
+    # of vLLM's scheduling modes (async: the drafts go back as one padded [B, K] tensor).
+    from conftest import KEEP_VLLMS_ASYNC_DECISION, run_llm
+
+    from vllm_amphista.assets import SHIPPED_HEADS
+
+    text = ("The committee met on Tuesday to review the budget, the hiring plan and the schedule "
+            "for the new library, and agreed to meet again in two weeks.")
+    [request] = chat_requests(tokenizer, [f"Repeat this sentence exactly, twice:\n{text}"], max_tokens=64)
+    run = run_llm(TARGET, COPY_BODY, {"method": "amphista_anpd", "model": SHIPPED_HEADS,
+                                      "num_speculative_tokens": 8, "draft_length": "fixed"},
+                  llm_kwargs={"max_model_len": 512, "async_scheduling": None if async_scheduling else False},
+                  args={"prompt": request["prompt_token_ids"]}, prelude=KEEP_VLLMS_ASYNC_DECISION)
+    assert run["async_scheduling"] is async_scheduling
+    accepted_per_position = run["accepted_per_position"]
+    assert len(accepted_per_position) == 8
+    assert sum(accepted_per_position[4:]) > 0, accepted_per_position
+
+
 def test_shipped_heads_exist_and_fit_the_target():
     from vllm_amphista.assets import SHIPPED_HEADS
     from vllm_amphista.vllm.config import check_amphista_heads

@@ -5,8 +5,9 @@ hybrid's ANPD tables absorb the sampler's tokens before bookkeeping. In a real e
 heads, repetitive and random prompts, early stops, a prompt at max_model_len), every request's
 tables must have absorbed exactly its prompt and output (tokens sampled past a stop may follow),
 built once, in both scheduling modes; vLLM's own choice admits the hybrid to async scheduling;
-and greedy outputs equal plain decoding. Pure ANPD is admitted too: the same checks, and the
-runner verifies each request's real draft only, not the scheduler's K placeholders (except in
+and greedy outputs equal plain decoding, with K above the number of heads (the tables draft past
+them; test_demo_target.py checks those tokens get accepted). Pure ANPD is admitted too: the same
+checks, and the runner verifies each request's real draft only, not the scheduler's K placeholders (except in
 steps with structured-output requests, whose grammar masks count every placeholder). Synchronous
 ANPD keeps its tables as long: each request's are built once.
 
@@ -21,6 +22,8 @@ from conftest import KEEP_VLLMS_ASYNC_DECISION, run_engine, run_llm
 from test_engine_lossless import mixed_requests
 
 K = 4
+# Past the random heads' 4 tokens: the tables continue the chain (padded [B, K] drafts under async).
+HYBRID_K = 6
 
 RECORD_ABSORBED = """
 from vllm_amphista.anpd import AnpdDrafter
@@ -78,7 +81,7 @@ def plain(tiny_llama_dir, requests):
 def test_hybrid_tables_absorb_exactly_the_tokens(tiny_llama_dir, random_heads_dir, requests, plain, async_scheduling):
     # Async: vLLM decides (None), and must pick async scheduling for the hybrid.
     run = run_llm(tiny_llama_dir, GENERATE,
-                  {"method": "amphista_anpd", "model": str(random_heads_dir), "num_speculative_tokens": K,
+                  {"method": "amphista_anpd", "model": str(random_heads_dir), "num_speculative_tokens": HYBRID_K,
                    "draft_length": "fixed"},
                   llm_kwargs={"async_scheduling": None if async_scheduling else False, "max_num_seqs": 16},
                   args={"requests": requests}, prelude=KEEP_VLLMS_ASYNC_DECISION + RECORD_ABSORBED)
@@ -93,7 +96,7 @@ def test_hybrid_tables_absorb_exactly_the_tokens(tiny_llama_dir, random_heads_di
         assert got["builds"] == [1], f"request {index}: tables rebuilt mid-request"
         # Tokens sampled past a stop (accepted drafts after it, a bonus token) may follow.
         assert absorbed[:len(sequence)] == sequence, f"request {index}: tables absorbed other tokens"
-        assert len(absorbed) <= len(sequence) + K
+        assert len(absorbed) <= len(sequence) + HYBRID_K
     assert run["accepted"]["vllm:spec_decode_num_accepted_tokens"] > 0  # the repetitive prompts' drafts come from the tables
 
 

@@ -110,6 +110,12 @@ def test_more_tokens_than_heads(tiny_llama_dir, heads_dir):
     assert "num_speculative_tokens=5 exceeds the 4 drafting heads" in message
 
 
+def test_hybrid_drafts_past_the_heads(tiny_llama_dir, heads_dir):
+    config = json.dumps({"method": "amphista_anpd", "model": str(heads_dir), "num_speculative_tokens": 8})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("amphista_anpd", 8)
+
+
 def test_heads_for_another_target(tiny_llama_dir, heads_dir, tmp_path):
     other = tmp_path / "other-heads"
     shutil.copytree(heads_dir, other)

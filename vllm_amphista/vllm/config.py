@@ -31,8 +31,10 @@ def _model_type_of(path: str | None) -> str | None:
     return read_heads_config(path).get("model_type")
 
 
-def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: int | None) -> int:
-    """Validate an Amphista heads dir against its target; return the number of heads K."""
+def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: int | None,
+                         method: str = "amphista") -> int:
+    """Validate an Amphista heads dir against its target; return the number of heads K. The heads
+    alone draft at most K tokens; the hybrid's N-gram tables continue past them."""
     config = read_heads_config(path)
     config_path = os.path.join(path, CONFIG_NAME)
     model_type = config.get("model_type")
@@ -67,10 +69,11 @@ def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: in
     num_heads = config.get("num_draft_heads")
     if not isinstance(num_heads, int) or num_heads < 1:
         raise HeadsDirError(f"{config_path}: num_draft_heads must be a positive int, got {num_heads!r}")
-    if num_speculative_tokens is not None and num_speculative_tokens > num_heads:
+    if method == "amphista" and num_speculative_tokens is not None and num_speculative_tokens > num_heads:
         raise HeadsDirError(
             f"num_speculative_tokens={num_speculative_tokens} exceeds the {num_heads} "
-            f"drafting heads in {path}; use at most {num_heads}"
+            f"drafting heads in {path}; use at most {num_heads} (method 'amphista_anpd' drafts past "
+            "the heads with its N-gram tables)"
         )
     return num_heads
 
@@ -90,7 +93,7 @@ def resolve_plugin_method(spec) -> str | None:
     if method in HEADS_METHODS:
         if not spec.model:
             raise HeadsDirError(f"method {method!r} needs 'model': the path of an Amphista heads dir")
-        num_heads = check_amphista_heads(spec.model, target_config, spec.num_speculative_tokens)
+        num_heads = check_amphista_heads(spec.model, target_config, spec.num_speculative_tokens, method)
         if spec.num_speculative_tokens is None:
             spec.num_speculative_tokens = num_heads
     else:
