@@ -8,9 +8,10 @@ runs no drafter), and after the heads `finalize_drafts` picks or splices each
 final draft from the heads' chain and the tables (`hybrid.hybrid_draft`). Nothing waits for the
 CPU copy of the tokens, so the hybrid runs under async scheduling (patch 10),
 where the drafts go back as one [B, K] tensor: a draft shorter than K is
-padded with the heads' own later tokens (past the heads, their last one). Synchronous
-scheduling keeps per-request lengths. K may exceed the number of heads: the tables
-continue the heads' chain (or draft alone) up to K tokens. Tables are dropped the step vLLM frees a request, as for ANPD.
+padded with the heads' own later tokens (past the heads, their last one).
+Synchronous scheduling keeps per-request lengths. K may exceed the number of
+heads: the tables continue the heads' chain (or draft alone) up to K tokens.
+Tables are dropped the step vLLM frees a request, as for ANPD.
 On a GPU, reading the sampled tokens waits for the sampler (the tables live on
 the CPU): the one wait async scheduling otherwise avoids; what async scheduling
 still gains there has not been measured (vLLM-CPU schedules synchronously).
