@@ -7,9 +7,9 @@ tables must have absorbed exactly its prompt and output (tokens sampled past a s
 built once, in both scheduling modes; vLLM's own choice admits the hybrid to async scheduling;
 and greedy outputs equal plain decoding, with K above the number of heads (the tables draft past
 them; test_demo_target.py checks those tokens get accepted). Pure ANPD is admitted too: the same
-checks, and the runner verifies each request's real draft only, not the scheduler's K placeholders (except in
-steps with structured-output requests, whose grammar masks count every placeholder). Synchronous
-ANPD keeps its tables as long: each request's are built once.
+checks, and the runner verifies each request's real draft only, not the scheduler's K placeholders
+(except in steps with structured-output requests, whose grammar masks count every placeholder).
+Synchronous ANPD keeps its tables as long: each request's are built once.
 
 The async run keeps vLLM's own decision on CPU (`conftest.KEEP_VLLMS_ASYNC_DECISION`). The draft
 length is fixed: the load-aware one may choose K=0 for a whole run of 16 requests on a CPU whose
