@@ -203,7 +203,8 @@ def test_own_lm_head_and_draft_vocabulary():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"draft_vocab_size": 8, "use_stages": False},
-                                       {"target_feature_layers": [1, 3]}])
+                                       {"target_feature_layers": [1, 3]},
+                                       {"draft_vocab_size": 8, "draft_token_mlp_size": 64}])
 def test_save_load_round_trip(tmp_path, overrides):
     drafter = randomized(AmphistaDrafter(make_config(**overrides)))
     hidden, next_ids, embed, lm_head = make_inputs()
@@ -218,6 +219,60 @@ def test_save_load_round_trip(tmp_path, overrides):
     loaded = AmphistaDrafter.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert torch.equal(loaded(hidden, next_ids, embed, lm_head), drafter(hidden, next_ids, embed, lm_head))
+
+
+DRAFT_IDS = torch.tensor([5, 9, 2, 300, 17, 64, 1, 0, 33, 250, 101, 7])
+
+
+def draft_token_drafter(seed: int = 0) -> AmphistaDrafter:
+    drafter = randomized(AmphistaDrafter(make_config(draft_vocab_size=len(DRAFT_IDS), draft_token_mlp_size=96)), seed)
+    drafter.init_from_target(make_inputs()[3], DRAFT_IDS)
+    return drafter
+
+
+def test_heads_read_the_tokens_drafted_before_them():
+    """Head k's draft changes with the token head k-1 drafted, head 0's does not; the chain
+    `draft` returns is what the teacher-forced logits give once that chain is the text."""
+    drafter = draft_token_drafter()
+    hidden, next_ids, embed, _ = make_inputs(batch=1)
+    next_ids = DRAFT_IDS[next_ids % len(DRAFT_IDS)]
+    chain, log_probs = drafter.draft(hidden, next_ids, embed, None)
+    assert chain.shape == log_probs.shape == (1, 7, HEADS)
+    assert set(chain.unique().tolist()) <= set(DRAFT_IDS.tolist())
+    last = chain[0, -1]
+    # Append the chain's first K-1 tokens as the text after the last position (the stages are
+    # causal, so the last position's stage outputs do not change): teacher forcing then feeds
+    # each head the token the chain drafted before it.
+    longer_hidden = torch.cat([hidden, torch.randn(1, HEADS - 1, HIDDEN)], dim=1)
+    longer_ids = torch.cat([next_ids, last[None, :-1]], dim=1)
+    with torch.no_grad():
+        logits = drafter(longer_hidden, longer_ids, embed, None)[0, 6]
+    assert torch.equal(drafter.draft_to_target[logits.argmax(dim=-1)], last)
+    assert torch.allclose(torch.log_softmax(logits.float(), dim=-1).max(dim=-1).values, log_probs[0, -1], atol=1e-5)
+    # Other drafted tokens before head k: head k's logits move, head 0's stay.
+    other_ids = torch.cat([next_ids, (last[None, :-1] + 1) % VOCAB], dim=1)
+    with torch.no_grad():
+        other = drafter(longer_hidden, other_ids, embed, None)[0, 6]
+    assert torch.equal(other[0], logits[0])
+    assert not torch.allclose(other[1:], logits[1:])
+
+
+def test_adding_the_draft_token_mlp_keeps_what_the_heads_draft():
+    """Its down projection starts at zero: trained heads given the MLP draft as before."""
+    from vllm_amphista.train.amphista import AmphistaMethod
+
+    plain = randomized(AmphistaDrafter(make_config(draft_vocab_size=len(DRAFT_IDS))))
+    plain.init_from_target(make_inputs()[3], DRAFT_IDS)
+    method = AmphistaMethod(plain)
+    hidden, next_ids, embed, _ = make_inputs()
+    with torch.no_grad():
+        before = plain(hidden, next_ids, embed, None)
+        method.add_draft_token_mlp(64)
+        after = plain(hidden, next_ids, embed, None)
+    assert plain.config.draft_token_mlp_size == 64 and plain.auto_embedding.draft_token_mlp is not None
+    assert torch.equal(before, after)
+    with pytest.raises(ValueError, match="already"):
+        method.add_draft_token_mlp(64)
 
 
 def test_default_save_is_bfloat16(tmp_path):
@@ -262,6 +317,8 @@ def test_truncated_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
     ({"target_feature_layers": [2, 2]}, "target_feature_layers"),
     ({"target_feature_layers": [0, 2]}, "target_feature_layers"),
     ({"target_feature_layers": [3, 1]}, "ascending"),
+    ({"draft_token_mlp_size": -1}, "draft_token_mlp_size"),
+    ({"draft_token_mlp_size": 64}, "need a draft vocabulary"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -96,6 +96,33 @@ def test_fit_trains_heads_that_read_the_layers(tiny_llama_dir, layered_dataset, 
         FitOptions(target="t", data=["d"], out="o", method="medusa", target_feature_layers=LAYERS).validate()
 
 
+@pytest.fixture(scope="module")
+def draft_token_heads(tiny_llama_dir, layered_dataset, tmp_path_factory):
+    """Layered heads with a draft vocabulary whose heads 2..K read the token drafted before them,
+    fitted briefly by `fit --draft-token-mlp`, then that MLP's down projection randomised (it starts
+    at zero) so that what it reads moves the drafts."""
+    root = tmp_path_factory.mktemp("draft_token_heads")
+    result = fit(FitOptions(target=str(tiny_llama_dir), data=[str(layered_dataset)], out=str(root / "fitted"),
+                            state_dir=str(root / "state"), target_feature_layers=LAYERS, num_heads=3,
+                            draft_vocab_size=64, draft_token_mlp=64, max_steps=12, batch_tokens=256, row_tokens=128,
+                            eval_fraction=0.0, lr=3e-3, threads=1))
+    drafter = AmphistaDrafter.from_pretrained(root / "fitted", dtype=torch.float32)
+    with torch.no_grad():
+        down = drafter.auto_embedding.draft_token_mlp.down_proj.weight
+        down.copy_(torch.randn(down.shape, generator=torch.Generator().manual_seed(0)) * 0.3)
+    drafter.save_pretrained(root / "heads", dtype=torch.float32)
+    return root / "heads", result
+
+
+def test_fit_trains_heads_that_read_the_drafted_tokens(draft_token_heads):
+    heads, result = draft_token_heads
+    assert sum(result.train_losses[-3:]) < sum(result.train_losses[:3])
+    drafter = AmphistaDrafter.from_pretrained(heads)
+    assert drafter.config.draft_token_mlp_size == 64 and drafter.config.draft_vocab_size == 64
+    with pytest.raises(ValueError, match="amphista only"):
+        FitOptions(target="t", data=["d"], out="o", method="eagle", draft_token_mlp=64).validate()
+
+
 # In the engine's process: what the stages were fed and what was drafted, step by step.
 RECORD_DRAFTS_BODY = """
 import torch
@@ -121,15 +148,20 @@ report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_h
 """
 
 
-@pytest.mark.parametrize("layers", [LAYERS, None], ids=["layered", "last-layer"])
+@pytest.mark.parametrize("kind, enforce_eager", [("layered", True), ("last-layer", True), ("draft-tokens", True),
+                                                 ("draft-tokens", False)],
+                         ids=["layered", "last-layer", "draft-tokens", "draft-tokens-compiled"])
 def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, last_layer_heads,
-                                                                   tmp_path, layers):
-    """Heads reading several target layers, and heads from before the option (the final norm's
-    output only), draft in vLLM what the reference drafter drafts."""
-    heads = layered_heads if layers else last_layer_heads
+                                                                   draft_token_heads, tmp_path, kind, enforce_eager):
+    """Heads reading several target layers, heads from before the option (the final norm's
+    output only), and layered heads that read the tokens drafted before them (head by head,
+    eager and compiled), draft in vLLM what the reference drafter drafts."""
+    heads = {"layered": layered_heads, "last-layer": last_layer_heads, "draft-tokens": draft_token_heads[0]}[kind]
+    layers = None if kind == "last-layer" else LAYERS
     prompt = [12, 40, 41, 12, 40, 41, 12, 40, 41, 12, 57]
     run = run_llm(tiny_llama_dir, RECORD_DRAFTS_BODY, {"method": "amphista", "model": str(heads),
                                                        "num_speculative_tokens": 3, "draft_length": "fixed"},
+                  llm_kwargs={"enforce_eager": enforce_eager},
                   args={"prompt": prompt, "path": str(tmp_path / "calls.pt")})
     assert run["aux"] == bool(layers)  # vLLM captures the target's layers only for layered heads
     ids = torch.tensor([prompt + run["output"]])
@@ -140,7 +172,7 @@ def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_di
     with torch.no_grad():
         features = target_features(model, ids, layers)
         # Row t drafts once x_{t+1} is known: the heads' view of the final sequence.
-        reference_drafts = reference(features[:, :-1], ids[:, 1:], embed, embed)[0].argmax(dim=-1)  # tied lm_head
+        reference_drafts = reference.draft(features[:, :-1], ids[:, 1:], embed, embed)[0][0]  # tied lm_head
     compared, positions = 0, None
     for call in torch.load(tmp_path / "calls.pt"):
         if call[0] == "stages":
@@ -154,14 +186,15 @@ def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_di
     assert compared >= 10
 
 
-def test_greedy_equals_plain_with_layered_heads(tiny_llama_dir, layered_heads):
+def test_greedy_equals_plain_with_layered_heads(tiny_llama_dir, layered_heads, draft_token_heads):
     requests = [{"prompt_token_ids": [12 + (i * 7 + j) % 40 for j in range(5 + 9 * i)] * 2, "max_tokens": 32}
                 for i in range(6)]
     plain = run_engine(tiny_llama_dir, requests)
-    for method in ("amphista", "amphista_anpd"):
-        spec_run = run_engine(tiny_llama_dir, requests, {"method": method, "model": str(layered_heads),
+    for heads, method in ((layered_heads, "amphista"), (layered_heads, "amphista_anpd"),
+                          (draft_token_heads[0], "amphista"), (draft_token_heads[0], "amphista_anpd")):
+        spec_run = run_engine(tiny_llama_dir, requests, {"method": method, "model": str(heads),
                                                          "num_speculative_tokens": 3, "draft_length": "fixed"})
-        assert spec_run["token_ids"] == plain["token_ids"], method
+        assert spec_run["token_ids"] == plain["token_ids"], (heads, method)
         assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0
 
 

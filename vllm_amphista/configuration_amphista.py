@@ -52,6 +52,7 @@ class AmphistaConfig(PretrainedConfig):
         use_sampled_token: bool = True,
         target_model_type: str | None = None,
         target_feature_layers: list[int] | None = None,
+        draft_token_mlp_size: int = 0,
         **kwargs,
     ):
         self.hidden_size = hidden_size
@@ -85,6 +86,7 @@ class AmphistaConfig(PretrainedConfig):
         self.use_sampled_token = use_sampled_token
         self.target_model_type = target_model_type
         self.target_feature_layers = None if target_feature_layers is None else [int(i) for i in target_feature_layers]
+        self.draft_token_mlp_size = draft_token_mlp_size
         kwargs.setdefault("architectures", ["AmphistaDrafter"])
         super().__init__(**kwargs)
         self.validate()
@@ -137,6 +139,12 @@ class AmphistaConfig(PretrainedConfig):
             f"got {self.draft_vocab_size}",
         )
         require(self.hidden_act in ACT2FN, f"unknown hidden_act {self.hidden_act!r}")
+        require(self.draft_token_mlp_size >= 0, f"draft_token_mlp_size must be >= 0 (0 = off), "
+                                                f"got {self.draft_token_mlp_size}")
+        if self.draft_token_mlp_size:
+            # In vLLM the chain is drafted inside the heads' graph, which ends with the drafter's own lm_head.
+            require(self.draft_vocab_size > 0, "heads that read the drafted tokens (draft_token_mlp_size > 0) "
+                                               "need a draft vocabulary (draft_vocab_size > 0)")
         if self.target_feature_layers is not None:
             layers = self.target_feature_layers
             require(

@@ -19,6 +19,12 @@ token the target sampled from h_t)::
     heads     = encoder(heads)    (bi-directional among the K heads of t only)
     logits_k  = lm_head(final_norm(heads_k))  predicts x_{t+2+k}
 
+With ``draft_token_mlp_size`` > 0, head k >= 1 also reads the token y_{k-1}
+drafted by the head before it (the chain is drafted head by head, one small
+MLP and one lm_head pass per head)::
+
+    head_k   += down(act(up([final_norm(heads_k), norm(embed(y_{k-1}))])))
+
 Choices for what the paper leaves open, and why
 -----------------------------------------------
 * Sampled-token fusion: concatenate the token embedding (first) with h_t and
@@ -43,6 +49,14 @@ Choices for what the paper leaves open, and why
   reference elsewhere and in training). The heads never see other
   positions or requests, so drafting the last position of a request needs
   nothing but that position's stage outputs.
+* Drafted tokens (optional, TreeFlash's correction, arXiv 2606.03819): the
+  heads' one pass never sees the tokens the heads before them chose, so the
+  far heads guess marginals over every way the chain may go. A chain verifier
+  reads head k only where heads 0..k-1 drafted the target's own tokens, so
+  training feeds head k the true x_{t+1+k} (teacher forcing is exact for what
+  is accepted) and drafting feeds it y_{k-1}. One MLP is shared by the heads
+  (they differ by their position embedding); its down projection starts at
+  zero, so it starts as the heads without it (and can be added to trained heads).
 * Vocabulary projection: ``final_norm`` then, by default, the target's own
   lm_head (shared, not saved): it is the largest matrix in the drafter and the
   target's already maps these features to tokens. With ``draft_vocab_size`` N
@@ -177,6 +191,29 @@ class HeadEncoder(nn.Module):
         return heads
 
 
+class DraftTokenMLP(nn.Module):
+    """head + down(act(up([head, norm(token embedding)]))): a head's features corrected by the
+    token drafted before it."""
+
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
+        super().__init__()
+        self.token_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.up_proj = linear(2 * config.hidden_size, config.draft_token_mlp_size)
+        self.down_proj = linear(config.draft_token_mlp_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The zero down projection: heads with this MLP start as the heads without it."""
+        _init_linear(self.up_proj)
+        _init_linear(self.down_proj, zero=True)
+
+    def forward(self, heads: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """[..., H] head features, [..., H] embeddings of the tokens drafted before them -> [..., H]."""
+        mixed = torch.cat([heads, self.token_norm(token_embeds.to(heads.dtype))], dim=-1)
+        return heads + self.down_proj(self.act(self.up_proj(mixed)))
+
+
 class AutoEmbeddingBlock(nn.Module):
     """Per-head projections, head position embedding, bi-directional encoder and final norm.
 
@@ -197,6 +234,7 @@ class AutoEmbeddingBlock(nn.Module):
         self.position_embedding = nn.Parameter(torch.empty(config.num_draft_heads, config.hidden_size))
         self.encoder = HeadEncoder(config, linear) if config.use_encoder else None
         self.final_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.draft_token_mlp = DraftTokenMLP(config, linear) if config.draft_token_mlp_size else None
 
     def forward(self, stage1_out: torch.Tensor, stage2_out: torch.Tensor) -> torch.Tensor:
         """[N, H], [N, H] -> [N, K, H] normalised head features."""
@@ -208,6 +246,28 @@ class AutoEmbeddingBlock(nn.Module):
             heads = self.encoder(heads)
         return self.final_norm(heads)
 
+    def read_drafts(self, heads: torch.Tensor, draft_embeds: torch.Tensor) -> torch.Tensor:
+        """[N, K, H] head features, [N, K-1, H] embeddings of the tokens heads 0..K-2 drafted ->
+        [N, K, H] with heads 1..K-1 corrected by them (as they are without `draft_token_mlp`)."""
+        if self.draft_token_mlp is None:
+            return heads
+        return torch.cat([heads[:, :1], self.draft_token_mlp(heads[:, 1:], draft_embeds)], dim=1)
+
+
+def teacher_forced_drafts(next_token_ids: torch.Tensor, num_draft_heads: int,
+                          segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] x_{t+1} -> [B, T, K-1] x_{t+2}..x_{t+K}: the tokens heads 0..K-2 draft at t when they
+    are right, which heads 1..K-1 read; 0 past the sequence (or past a packed sample's end)."""
+    seq_len = next_token_ids.shape[1]
+    shifted = []
+    for shift in range(1, num_draft_heads):
+        tokens = F.pad(next_token_ids[:, shift:], (0, min(shift, seq_len)))
+        if segment_ids is not None:
+            same = F.pad(segment_ids[:, shift:], (0, min(shift, seq_len))) == segment_ids
+            tokens = tokens.masked_fill(~same, 0)
+        shifted.append(tokens)
+    return torch.stack(shifted, dim=-1) if shifted else next_token_ids.new_zeros(*next_token_ids.shape, 0)
+
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., V] logits -> ([...] each row's argmax, [...] its log-probability)."""
@@ -215,6 +275,35 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     best, token_ids = logits.max(dim=-1)
     return token_ids, best - torch.logsumexp(logits, dim=-1)
+
+
+def draft_chain(
+    heads: torch.Tensor,
+    project: Callable[[torch.Tensor], torch.Tensor],
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    draft_to_target: torch.Tensor | None,
+    draft_token_mlp: DraftTokenMLP | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K, H] head features -> ([N, K] each head's greedy token as a target id, [N, K] its
+    log-probability). `project` maps features to draft-vocabulary logits, `embed` target ids to
+    embeddings. With `draft_token_mlp` the chain is drafted head by head, each head reading the
+    token drafted before it; without it, in one projection."""
+    def to_target(token_ids: torch.Tensor) -> torch.Tensor:
+        return token_ids if draft_to_target is None else draft_to_target[token_ids]
+
+    if draft_token_mlp is None:
+        token_ids, log_probs = greedy_tokens(project(heads))
+        return to_target(token_ids), log_probs
+    chain, chain_log_probs, previous = [], [], None
+    for k in range(heads.shape[1]):
+        head = heads[:, k]
+        if previous is not None:
+            head = draft_token_mlp(head, embed(previous))
+        token_ids, log_probs = greedy_tokens(project(head))
+        previous = to_target(token_ids)
+        chain.append(previous)
+        chain_log_probs.append(log_probs)
+    return torch.stack(chain, dim=1), torch.stack(chain_log_probs, dim=1)
 
 
 def draft_logits(head_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -336,6 +425,8 @@ class AmphistaDrafter(nn.Module):
             for name, module in block.encoder.named_modules():
                 if isinstance(module, nn.Linear):
                     _init_linear(module, zero=name.endswith(("o_proj", "down_proj")))
+        if block.draft_token_mlp is not None:
+            block.draft_token_mlp.reset_parameters()
         if self.lm_head is not None:
             _init_linear(self.lm_head)
 
@@ -420,12 +511,49 @@ class AmphistaDrafter(nn.Module):
             stage2_out = self.stages[1](stage1_out, position_embeddings, attention_mask)
         return stage1_out, stage2_out
 
-    def head_hidden_states(self, *inputs, **options) -> torch.Tensor:
-        """`stage_outputs`' inputs -> [B, T, K, H] normalised head features."""
+    def _heads(self, *inputs, **options) -> torch.Tensor:
+        """`stage_outputs`' inputs -> [B*T, K, H] the Auto-embedding Block's head features."""
         stage1_out, stage2_out = self.stage_outputs(*inputs, **options)
-        *leading, hidden_size = stage1_out.shape
-        heads = self.auto_embedding(stage1_out.reshape(-1, hidden_size), stage2_out.reshape(-1, hidden_size))
-        return heads.view(*leading, self.config.num_draft_heads, hidden_size)
+        hidden_size = stage1_out.shape[-1]
+        return self.auto_embedding(stage1_out.reshape(-1, hidden_size), stage2_out.reshape(-1, hidden_size))
+
+    def head_hidden_states(
+        self,
+        target_hidden: torch.Tensor,
+        next_token_ids: torch.Tensor | None,
+        embed_tokens: nn.Embedding | torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`stage_outputs`' inputs -> [B, T, K, H] head features, head k >= 1 reading the true
+        x_{t+1+k} where it reads drafted tokens (teacher forcing)."""
+        heads = self._heads(target_hidden, next_token_ids, embed_tokens, position_ids, attention_mask)
+        if self.auto_embedding.draft_token_mlp is not None:
+            drafts = teacher_forced_drafts(next_token_ids, self.config.num_draft_heads)
+            embeds = F.embedding(drafts.reshape(heads.shape[0], -1), _embedding_weight(embed_tokens))
+            heads = self.auto_embedding.read_drafts(heads, embeds)
+        return heads.view(*target_hidden.shape[:-1], *heads.shape[1:])
+
+    @torch.no_grad()
+    def draft(
+        self,
+        target_hidden: torch.Tensor,
+        next_token_ids: torch.Tensor | None,
+        embed_tokens: nn.Embedding | torch.Tensor | None,
+        lm_head_weight: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s inputs -> ([B, T, K] the chain drafted at each position as target ids, [B, T, K]
+        each head's log-probability of its token): what the engine drafts there."""
+        heads = self._heads(target_hidden, next_token_ids, embed_tokens, position_ids, attention_mask)
+        vocab = self.vocab_weight(lm_head_weight)
+        embed_weight = None if embed_tokens is None else _embedding_weight(embed_tokens)
+        token_ids, log_probs = draft_chain(
+            heads, lambda features: F.linear(features, vocab.to(features.dtype)),
+            lambda ids: F.embedding(ids, embed_weight), self.draft_to_target, self.auto_embedding.draft_token_mlp)
+        leading = target_hidden.shape[:-1]
+        return token_ids.view(*leading, -1), log_probs.view(*leading, -1)
 
     def forward(
         self,
@@ -436,7 +564,8 @@ class AmphistaDrafter(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, K, V_draft]: head k at position t predicts x_{t+2+k}.
+        """Logits [B, T, K, V_draft]: head k at position t predicts x_{t+2+k} (reading the true
+        x_{t+1+k} where it reads drafted tokens: what training fits; `draft` drafts the chain).
 
         target_hidden [B, T, H]: the target's final-norm output h_t ([B, T, n*H] streams with
             target_feature_layers; `target_features` computes either).

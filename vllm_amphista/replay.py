@@ -21,7 +21,7 @@ import torch
 
 from vllm_amphista.anpd import NgramTables
 from vllm_amphista.hybrid import hybrid_draft
-from vllm_amphista.modeling_amphista import AmphistaDrafter, greedy_tokens, target_features
+from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
 
 
 def accepted_prefix(draft: list[int], truth: list[int]) -> int:
@@ -67,12 +67,8 @@ def head_chains(target, drafter: AmphistaDrafter, token_ids: list[int]) -> tuple
     ids = torch.tensor([token_ids])
     hidden = target_features(target, ids, drafter.config.target_feature_layers)[:, :-1]
     embed = target.get_input_embeddings().weight
-    draft_ids, log_probabilities = greedy_tokens(drafter(hidden, ids[:, 1:], embed,
-                                                         target.get_output_embeddings().weight)[0])
-    probabilities = log_probabilities.exp()
-    if drafter.draft_to_target is not None:
-        draft_ids = drafter.draft_to_target[draft_ids]
-    return draft_ids, probabilities
+    draft_ids, log_probabilities = drafter.draft(hidden, ids[:, 1:], embed, target.get_output_embeddings().weight)
+    return draft_ids[0], log_probabilities[0].exp()
 
 
 def hybrid_steps(record: dict, chains: tuple[torch.Tensor, torch.Tensor], rule: str, ngram_weight: float, k: int,

@@ -54,6 +54,8 @@ FIT_HELP = {
     "mix_data": "dataset directories mixed into the training samples (not the held-out slice): fine-tuning "
                 "keeps a share of the data the heads learned from",
     "mix_fraction": "share of the training samples drawn from --mix-data",
+    "draft_token_mlp": "Amphista: inner size of an MLP through which heads 2..K read the token drafted before "
+                       "them (0 = they do not; needs a draft vocabulary)",
     "init_heads": "start from these heads (same method, their shape and vocabulary): fine-tuning",
     "max_output_tokens": "train on the leading samples up to this many output tokens (learning curves; "
                          "the held-out slice is unchanged)",

@@ -70,6 +70,7 @@ class FitOptions:
     no_sampled_token: bool = False
     train_lm_head: bool = False
     target_feature_layers: list[int] | None = None
+    draft_token_mlp: int = 0
     init_heads: str | None = None
     # Baselines
     medusa_layers: int = 1
@@ -113,10 +114,11 @@ class FitOptions:
             raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        amphista_only = self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
+        amphista_only = (self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
+                         or self.draft_token_mlp)
         if amphista_only and self.method != "amphista":
-            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head apply to --method "
-                             "amphista only")
+            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head/--draft-token-mlp apply "
+                             "to --method amphista only")
         if self.target_feature_layers and self.method not in ("amphista", "dflash"):
             raise ValueError("--target-feature-layers applies to --method amphista and dflash only")
         if self.method == "dflash" and not self.target_feature_layers:
@@ -172,6 +174,7 @@ def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | N
         use_sampled_token=not options.no_sampled_token,
         share_lm_head=not options.train_lm_head,
         target_feature_layers=options.target_feature_layers,
+        draft_token_mlp_size=options.draft_token_mlp,
     )
 
 
@@ -295,6 +298,8 @@ def fit(options: FitOptions) -> FitResult:
         if method.feature_layers != options.target_feature_layers:
             raise ValueError(f"--init-heads {options.init_heads} reads target layers {method.feature_layers}: "
                              f"give the same --target-feature-layers")
+        if options.draft_token_mlp:
+            method.add_draft_token_mlp(options.draft_token_mlp)
     else:
         draft_to_target = None
         if options.draft_vocab_size:

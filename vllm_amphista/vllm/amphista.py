@@ -63,7 +63,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
-from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, FeatureCombiner, greedy_tokens
+from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, FeatureCombiner, draft_chain, greedy_tokens
 from vllm_amphista.vllm.config import draft_length_mode
 
 # With a load-aware draft length, a request's draft stops where the product of its heads'
@@ -155,20 +155,30 @@ class AmphistaStages(nn.Module):
 @support_torch_compile(dynamic_arg_dims={"stage_outputs": 0})
 class AmphistaHeads(nn.Module):
     """The Auto-embedding Block on each request's last position: [B, 2H] stage outputs -> [B, K, H]
-    head features; given the drafter's own lm_head, each head's greedy token and its log-probability
-    ([B, K] each) in the same compiled graph."""
+    head features; given the drafter's own lm_head, the chain ([B, K] target token ids, each head's
+    greedy token, and [B, K] their log-probabilities) in the same compiled graph."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", lm_head: nn.Module | None = None):
         super().__init__()
-        self.block = AutoEmbeddingBlock(_drafter_config(vllm_config), _replicated_linear(vllm_config))
+        config = _drafter_config(vllm_config)
+        self.block = AutoEmbeddingBlock(config, _replicated_linear(vllm_config))
         self.lm_head = lm_head
+        if config.draft_vocab_size:
+            self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        else:
+            self.draft_to_target = None
+        # Heads that read the drafted tokens embed them with the target's embedding (`share_embedding`).
+        object.__setattr__(self, "embed_tokens", None)
+
+    def share_embedding(self, embed_tokens: nn.Module) -> None:
+        object.__setattr__(self, "embed_tokens", embed_tokens)
 
     def forward(self, stage_outputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         stage1, stage2 = stage_outputs.chunk(2, dim=-1)
         heads = self.block(stage1, stage2)
         if self.lm_head is None:
             return heads
-        return greedy_tokens(self.lm_head(heads))
+        return draft_chain(heads, self.lm_head, self.embed_tokens, self.draft_to_target, self.block.draft_token_mlp)
 
 
 class AmphistaDrafterForVLLM(nn.Module):
@@ -194,10 +204,6 @@ class AmphistaDrafterForVLLM(nn.Module):
         # The shared lm_head is the target's, split by vocabulary across tensor-parallel
         # ranks: vLLM's logits processor gathers the slices.
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        if config.draft_vocab_size:
-            self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        else:
-            self.draft_to_target = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -238,14 +244,12 @@ class AmphistaDrafterForVLLM(nn.Module):
             token_ids, log_confidence = (x.view(batch, -1) for x in greedy_tokens(logits))
         token_ids = token_ids[:, :num_tokens]
         confidence = log_confidence[:, :num_tokens].exp() if with_confidence else None
-        if self.draft_to_target is not None:
-            token_ids = self.draft_to_target[token_ids]
         return token_ids, confidence
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
-        if self.draft_to_target is not None:
-            params["draft_to_target"] = self.draft_to_target
+        if self.heads.draft_to_target is not None:
+            params["draft_to_target"] = self.heads.draft_to_target
         per_stage = self.config.stage_num_layers
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -319,6 +323,11 @@ class AmphistaProposer(EagleProposer):
         if config.target_feature_layers:  # the stages take the target layers' streams uncombined
             self.hidden_states = torch.zeros((self.max_num_tokens, config.feature_size), dtype=self.dtype,
                                              device=device)
+
+    def load_model(self, target_model: nn.Module) -> None:
+        super().load_model(target_model)
+        # vLLM has given the stages the target's embedding; heads that read drafted tokens embed them so too.
+        self.model.heads.share_embedding(self.model.model.embed_tokens)
 
     def _set_positions(self, num_tokens: int, positions: torch.Tensor) -> None:
         # vLLM's reads the target's `uses_mrope` (a walk of its HF config, ~0.1 ms on CPU) every call.
