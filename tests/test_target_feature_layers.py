@@ -148,9 +148,13 @@ report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_h
 """
 
 
-@pytest.mark.parametrize("kind, enforce_eager", [("layered", True), ("last-layer", True), ("draft-tokens", True),
-                                                 ("draft-tokens", False)],
-                         ids=["layered", "last-layer", "draft-tokens", "draft-tokens-compiled"])
+@pytest.mark.parametrize("kind, enforce_eager", [
+    pytest.param("layered", True, id="layered"),
+    pytest.param("last-layer", True, id="last-layer"),
+    pytest.param("draft-tokens", True, id="draft-tokens"),
+    # A minute of compiling, for an option no shipped heads use.
+    pytest.param("draft-tokens", False, id="draft-tokens-compiled", marks=pytest.mark.slow),
+])
 def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, last_layer_heads,
                                                                    draft_token_heads, tmp_path, kind, enforce_eager):
     """Heads reading several target layers, heads from before the option (the final norm's
