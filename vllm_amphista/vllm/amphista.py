@@ -7,7 +7,8 @@ own paged KV cache, and finds each request's last valid position after
 rejections. We keep all of that and replace only what follows the first
 pass: instead of EAGLE's autoregressive loop, the Auto-embedding Block reads
 the stage outputs at each request's last position and all K heads give the
-chain at once.
+chain at once (heads that read the drafted tokens give it head by head, in the
+same compiled graph).
 
 Drafts are the heads' greedy tokens, so they are deterministic and no draft
 probabilities go to the rejection sampler: greedy verification reproduces
