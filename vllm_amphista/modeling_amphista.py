@@ -528,11 +528,25 @@ class AmphistaDrafter(nn.Module):
         """`stage_outputs`' inputs -> [B, T, K, H] head features, head k >= 1 reading the true
         x_{t+1+k} where it reads drafted tokens (teacher forcing)."""
         heads = self._heads(target_hidden, next_token_ids, embed_tokens, position_ids, attention_mask)
-        if self.auto_embedding.draft_token_mlp is not None:
-            drafts = teacher_forced_drafts(next_token_ids, self.config.num_draft_heads)
-            embeds = F.embedding(drafts.reshape(heads.shape[0], -1), _embedding_weight(embed_tokens))
-            heads = self.auto_embedding.read_drafts(heads, embeds)
+        heads = self.read_true_drafts(heads, next_token_ids, embed_tokens)
         return heads.view(*target_hidden.shape[:-1], *heads.shape[1:])
+
+    def read_true_drafts(
+        self,
+        heads: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        embed_tokens: nn.Embedding | torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[M, K, H] head features at every position of next_token_ids' [B, T] (or where `rows`
+        [B, T] is True) -> the same with heads 1..K-1 reading the true x_{t+1+k} (teacher forcing;
+        unchanged where the heads read no drafted tokens). `segment_ids` as `teacher_forced_drafts`."""
+        if self.auto_embedding.draft_token_mlp is None:
+            return heads
+        drafts = teacher_forced_drafts(next_token_ids, self.config.num_draft_heads, segment_ids)
+        drafts = drafts[rows] if rows is not None else drafts.reshape(heads.shape[0], -1)
+        return self.auto_embedding.read_drafts(heads, F.embedding(drafts, _embedding_weight(embed_tokens)))
 
     @torch.no_grad()
     def draft(
@@ -550,7 +564,7 @@ class AmphistaDrafter(nn.Module):
         vocab = self.vocab_weight(lm_head_weight)
         embed_weight = None if embed_tokens is None else _embedding_weight(embed_tokens)
         token_ids, log_probs = draft_chain(
-            heads, lambda features: F.linear(features, vocab.to(features.dtype)),
+            heads, lambda features: draft_logits(features, vocab),
             lambda ids: F.embedding(ids, embed_weight), self.draft_to_target, self.auto_embedding.draft_token_mlp)
         leading = target_hidden.shape[:-1]
         return token_ids.view(*leading, -1), log_probs.view(*leading, -1)

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from vllm_amphista.configuration_amphista import AmphistaConfig
-from vllm_amphista.modeling_amphista import AmphistaDrafter, DraftTokenMLP, teacher_forced_drafts
+from vllm_amphista.modeling_amphista import AmphistaDrafter, DraftTokenMLP
 from vllm_amphista.train.batch import Batch, DraftVocab, causal_attention_mask
 from vllm_amphista.train.drafter import DraftMethod, id_list, id_tensor
 from vllm_amphista.train.target import Target
@@ -51,13 +50,9 @@ class AmphistaMethod(DraftMethod):
         stage1, stage2 = self.drafter.stage_outputs(batch.hidden, batch.next_token_ids, target.embed_weight,
                                                     batch.position_ids, causal_attention_mask(batch.segment_ids))
         # The Auto-embedding Block works on single positions: run it where drafts are needed only.
-        block = self.drafter.auto_embedding
-        heads = block(stage1[rows], stage2[rows])
-        if block.draft_token_mlp is None:
-            return heads
+        heads = self.drafter.auto_embedding(stage1[rows], stage2[rows])
         # Head k reads x_{t+1+k}, what head k-1 drafts wherever a chain verifier reads head k.
-        drafts = teacher_forced_drafts(batch.next_token_ids, self.num_heads, batch.segment_ids)[rows]
-        return block.read_drafts(heads, F.embedding(drafts, target.embed_weight))
+        return self.drafter.read_true_drafts(heads, batch.next_token_ids, target.embed_weight, batch.segment_ids, rows)
 
     def add_draft_token_mlp(self, size: int) -> None:
         """Let heads that read no drafted tokens read them, starting from the same function."""
