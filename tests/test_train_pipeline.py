@@ -196,6 +196,10 @@ def test_prompt_mix_covers_every_category_without_benchmark_questions(tmp_path):
     assert records == prompt_mix.first_turn_mix(alpaca, gsm8k, counts, seed=1)  # deterministic
     assert sorted({r["category"] for r in records}) == sorted(counts) and len(records) == 5 * len(counts)
     assert not any("<<" in r["messages"][0]["content"] for r in records)  # calculator marks removed
+    assert prompt_mix.first_turn_mix(alpaca, gsm8k, counts, seed=1, exclude=records) == []
+    more = prompt_mix.first_turn_mix(alpaca, gsm8k, counts, seed=2, exclude=records)
+    assert more and not {json.dumps(r["messages"]) for r in more} & {json.dumps(r["messages"]) for r in records}
+    assert len({r["id"] for r in more}) == len(more)
     first_turns = [{**r, "answer": f"answer {i}"} for i, r in enumerate(records)]
     second = prompt_mix.second_turn_mix(first_turns, 10, seed=0)
     assert len(second) == 10

@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "follow-ups to them instead")
     mix.add_argument("--first-turns", help="the first-turn mix those datasets answered")
     mix.add_argument("--target", help="target model dir (its tokenizer decodes the first answers)")
+    mix.add_argument("--exclude", nargs="+", default=[], metavar="MIX",
+                     help="first turns: leave out conversations these earlier mixes hold (with another --seed)")
     mix.add_argument("--count", type=int, default=2500, help="second turns to build (default: %(default)s)")
     mix.add_argument("--seed", type=int, default=0)
 
@@ -238,6 +240,8 @@ def run_mix(args: argparse.Namespace) -> None:
     if args.second_turns_from:
         if not (args.target and args.first_turns):
             raise ValueError("--second-turns-from needs --first-turns (the mix it answered) and --target")
+        if args.exclude:
+            raise ValueError("--exclude applies to first-turn mixes (--alpaca, --gsm8k)")
         from transformers import AutoTokenizer
 
         from vllm_amphista.train.data import Dataset, answered_shards, read_token_file
@@ -251,7 +255,8 @@ def run_mix(args: argparse.Namespace) -> None:
                        for sample in samples if sample.id in questions]
         counts = prompt_mix.write_mix(args.out, prompt_mix.second_turn_mix(first_turns, args.count, args.seed))
     elif args.alpaca and args.gsm8k:
-        counts = prompt_mix.build_first_turns(args.alpaca, args.gsm8k, args.out, seed=args.seed)
+        counts = prompt_mix.build_first_turns(args.alpaca, args.gsm8k, args.out, seed=args.seed,
+                                              exclude_paths=args.exclude)
     else:
         raise ValueError("give --alpaca and --gsm8k (first turns) or --second-turns-from (second turns)")
     for category, count in sorted(counts.items()):

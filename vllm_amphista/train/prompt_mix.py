@@ -1,6 +1,7 @@
 """The self-distillation prompt mix: what users send, built from Alpaca and GSM8K.
 
     python -m vllm_amphista.train mix --alpaca alpaca.json --gsm8k gsm8k_train.jsonl --out mix.jsonl
+    python -m vllm_amphista.train mix --alpaca ... --gsm8k ... --seed 1 --exclude mix.jsonl --out mix_seed1.jsonl
     python -m vllm_amphista.train mix --second-turns-from DATASET_DIR --target T --out mix2.jsonl
 
 Drafting heads learn the target's own answers, so the prompts should look
@@ -84,8 +85,12 @@ def _lower_first(text: str) -> str:
     return text[:1].lower() + text[1:]
 
 
-def first_turn_mix(alpaca: list[dict], gsm8k: list[dict], counts: dict[str, int], seed: int = 0) -> list[dict]:
-    """Conversations for every category in `counts`; each source text is drawn at random (seeded)."""
+def first_turn_mix(alpaca: list[dict], gsm8k: list[dict], counts: dict[str, int], seed: int = 0,
+                   exclude: list[dict] = ()) -> list[dict]:
+    """Conversations for every category in `counts`; each source text is drawn at random (seeded).
+
+    Conversations equal to one in `exclude` (records of earlier mixes) are left out, so a mix with
+    another seed adds only prompts whose greedy answers are not already answered."""
     rng = random.Random(seed)
     passages = [r["output"] for r in alpaca if 200 <= len(r["output"]) <= 1500]
     short_texts = [r["output"] for r in alpaca if 40 <= len(r["output"]) <= 400]
@@ -130,6 +135,8 @@ def first_turn_mix(alpaca: list[dict], gsm8k: list[dict], counts: dict[str, int]
         for index in order:
             records.append({"category": category, "messages": builders[category](index)})
     rng.shuffle(records)
+    answered = {json.dumps(record["messages"]) for record in exclude}
+    records = [record for record in records if json.dumps(record["messages"]) not in answered]
     for number, record in enumerate(records):
         record["id"] = f"{record['category']}-{number}"
     return records
@@ -163,6 +170,8 @@ def write_mix(path: str | Path, records: list[dict]) -> Counter:
 
 
 def build_first_turns(alpaca_path: str, gsm8k_path: str, out: str, counts: dict[str, int] | None = None,
-                      seed: int = 0) -> Counter:
-    records = first_turn_mix(read_records(alpaca_path), read_records(gsm8k_path), counts or DEFAULT_COUNTS, seed)
+                      seed: int = 0, exclude_paths: list[str] = ()) -> Counter:
+    exclude = [record for path in exclude_paths for record in read_records(path)]
+    records = first_turn_mix(read_records(alpaca_path), read_records(gsm8k_path), counts or DEFAULT_COUNTS, seed,
+                             exclude)
     return write_mix(out, records)
