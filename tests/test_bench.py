@@ -28,7 +28,7 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
     out = tmp_path / "bench_out"
     command = [
         sys.executable, "-m", "vllm_amphista.bench", "--quick", "--target", str(tiny_llama_dir),
-        "--methods", "vanilla,anpd,amphista,medusa,dflash", "--heads", str(heads),
+        "--methods", "vanilla,amphista,medusa,dflash", "--heads", str(heads),
         "--medusa-heads", str(tmp_path / "no-medusa-heads"), "--dtype", "float32", "--max-model-len", "256",
         "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")), "--out", str(out),
         "--engine", "eager",  # compiling each method's engine doubles the test's time (191 s against 98 s)
@@ -42,7 +42,7 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
     assert runs["medusa"]["status"] == "skipped" and "no-medusa-heads" in runs["medusa"]["reason"]
     assert "medusa | skipped:" in completed.stdout
     assert runs["dflash"]["status"] == "skipped" and "--dflash-drafter" in runs["dflash"]["reason"]
-    for label in ("vanilla", "anpd", "amphista"):
+    for label in ("vanilla", "amphista"):
         assert runs[label]["status"] == "ok"
         figures = runs[label]["figures"]
         assert set(figures) == {"all", *CATEGORIES}

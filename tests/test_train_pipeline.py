@@ -339,6 +339,23 @@ def test_sigterm_saves_the_run_and_resume_finishes_it_as_if_never_stopped(tiny_l
         fit(options(tiny_llama_dir, dataset_dir, tmp_path / "x", max_steps=2, resume=str(tmp_path / "nothing")))
 
 
+def test_a_run_paused_with_sigstop_does_not_count_the_pause_as_training(tiny_llama_dir, dataset_dir, tmp_path):
+    state = tmp_path / "paused-state"
+    # Pauses the test's own process for 4 s once the first checkpoint (after ~1 s of training) is on disk.
+    pauser = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys, time\n"
+        f"while not os.path.exists({str(state / 'state.pt')!r}): time.sleep(0.01)\n"
+        f"os.kill({os.getpid()}, signal.SIGSTOP); time.sleep(4); os.kill({os.getpid()}, signal.SIGCONT)")])
+    started = time.monotonic()
+    fit(options(tiny_llama_dir, dataset_dir, tmp_path / "paused", state_dir=str(state), max_steps=150,
+                checkpoint_minutes=1 / 60))
+    wall = time.monotonic() - started
+    assert pauser.wait(timeout=60) == 0
+    metrics = json.loads((state / "metrics.json").read_text())
+    assert wall > 4
+    assert metrics["training_seconds"] < wall - 3.5, (metrics["training_seconds"], wall)
+
+
 def test_max_output_tokens_trains_on_a_leading_slice(tiny_llama_dir, dataset_dir, tmp_path):
     dataset = Dataset([dataset_dir])
     train_indices, _ = split_indices(len(dataset), 0.1, seed=0, max_eval=400)

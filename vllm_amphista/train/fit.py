@@ -230,20 +230,31 @@ def autocast_dtype(options: FitOptions) -> torch.dtype | None:
 
 
 class StopRequest:
-    """Turns SIGTERM/SIGINT into a request to save and stop after the current step."""
+    """Turns SIGTERM/SIGINT into a request to save and stop after the current step, and notes SIGCONT:
+    a run paused with SIGSTOP (to leave the CPU to another job) must not count the pause as training."""
 
     def __init__(self):
         self.signal: int | None = None
+        self._continued = False
         self._previous = {}
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
             for number in STOP_SIGNALS:
                 self._previous[number] = signal.signal(number, self._handle)
+            self._previous[signal.SIGCONT] = signal.signal(signal.SIGCONT, self._handle_continue)
         return self
 
     def _handle(self, number, frame) -> None:
         self.signal = number
+
+    def _handle_continue(self, number, frame) -> None:
+        self._continued = True
+
+    def paused_since_asked(self) -> bool:
+        """Whether the process was stopped and continued since the last call."""
+        paused, self._continued = self._continued, False
+        return paused
 
     def __exit__(self, *exc) -> None:
         for number, handler in self._previous.items():
@@ -367,6 +378,7 @@ def fit(options: FitOptions) -> FitResult:
             epoch, position = divmod(step, len(train_plans))
             # Each epoch visits the packed batches in a fresh seeded order.
             order = torch.randperm(len(train_plans), generator=torch.Generator().manual_seed(options.seed + epoch))
+            stop.paused_since_asked()
             step_started = time.monotonic()
             batch = build_batch(dataset, train_plans[int(order[position])], method.num_heads, options.row_tokens,
                                 options.train_on_prompt).to(options.device)
@@ -383,8 +395,11 @@ def fit(options: FitOptions) -> FitResult:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            step_seconds = time.monotonic() - step_started
+            if stop.paused_since_asked() and trained_tokens:  # timed at the pace so far instead
+                step_seconds = batch.num_tokens * training_seconds / trained_tokens
             trained_tokens += batch.num_tokens
-            training_seconds += time.monotonic() - step_started
+            training_seconds += step_seconds
             train_losses.append(loss.item())
             progress.update()
             progress.set_postfix(loss=f"{loss.item():.3f}", per_head=_fmt(head_loss.tolist()),
