@@ -182,6 +182,21 @@ def test_generate_resumes_and_recomputes_from_tokens(tiny_llama_dir, dataset_dir
         mine, theirs = recomputed.tensors(index), dataset.tensors(index)
         assert torch.allclose(mine.hidden.float(), theirs.hidden.float(), atol=0.02)
         assert torch.equal(mine.topk_ids, theirs.topk_ids)
+    # Without log-probabilities: the same hidden states, no top-k, and only the hard objective learns from them.
+    completed = run_train_cli(["features", "--target", str(tiny_llama_dir), "--answers", str(answers),
+                               "--out", str(tmp_path / "no-top-k"), "--enforce-eager", "--max-model-len", "256",
+                               "--concurrency", "8", "--top-k", "0"])
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    without_top_k = Dataset([tmp_path / "no-top-k"])
+    assert without_top_k.top_k == 0 and recomputed.top_k == 8
+    for index in range(0, NUM_PROMPTS, 7):
+        mine, theirs = without_top_k.tensors(index), recomputed.tensors(index)
+        assert torch.equal(mine.hidden, theirs.hidden)
+        assert mine.topk_ids.shape == (len(dataset.samples[index].output_ids), 0)
+    mixed = [str(tmp_path / "recomputed"), str(tmp_path / "no-top-k")]
+    assert fit(options(tiny_llama_dir, mixed[0], tmp_path / "hard", data=mixed, max_steps=2)).steps == 2
+    with pytest.raises(DataError, match="keeps none"):
+        fit(options(tiny_llama_dir, mixed[0], tmp_path / "distill", data=mixed, max_steps=2, objective="distill"))
 
 
 def test_prompt_mix_covers_every_category_without_benchmark_questions(tmp_path):

@@ -84,7 +84,7 @@ def build_batch(dataset: Dataset, rows: list[list[int]], num_heads: int, row_tok
                 train_on_prompt: bool = False) -> Batch:
     """One batch of packed rows of dataset samples (cut to row_tokens)."""
     first = dataset.tensors(rows[0][0])
-    hidden_size, top_k = first.hidden.shape[-1], first.topk_ids.shape[-1]
+    hidden_size, top_k = first.hidden.shape[-1], dataset.top_k
     length = min(row_tokens, max(sum(min(len(dataset.samples[i].token_ids), row_tokens) for i in row) for row in rows))
     shape = (len(rows), length)
     hidden = torch.zeros(*shape, hidden_size, dtype=first.hidden.dtype)
@@ -124,8 +124,8 @@ def build_batch(dataset: Dataset, rows: list[list[int]], num_heads: int, row_tok
                 output_rows = label_positions - prompt_len
                 has_topk = output_rows >= 0
                 target_rows = torch.arange(first_t, last_t + 1)[has_topk] + start
-                topk_ids[row, target_rows, k] = tensors.topk_ids[output_rows[has_topk]].long()
-                topk_logprobs[row, target_rows, k] = tensors.topk_logprobs[output_rows[has_topk]].float()
+                topk_ids[row, target_rows, k] = tensors.topk_ids[output_rows[has_topk], :top_k].long()
+                topk_logprobs[row, target_rows, k] = tensors.topk_logprobs[output_rows[has_topk], :top_k].float()
             start = end
     return Batch(hidden, token_ids, next_token_ids, position_ids, segment_ids, has_hidden, labels, topk_ids,
                  topk_logprobs)

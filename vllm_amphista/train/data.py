@@ -8,7 +8,8 @@ never changed afterwards), so a stopped run resumes at the first missing shard:
                                 every position t = 0 .. L-2 of each sample (L = prompt + output
                                 tokens; the last token is never fed back), "hidden_offsets" [n + 1];
                                 "topk_ids" / "topk_logprobs" [sum(outputs), k]: the target's top-k
-                                next-token log-probabilities at each output token's position,
+                                next-token log-probabilities at each output token's position
+                                (k = 0 when made with --top-k 0),
                                 "output_offsets" [n + 1]; with `features --feature-layers`, also
                                 "layer_hidden" [sum(L - 1), n*H]: the residual stream after each
                                 listed number of target layers (metadata "feature_layers"), laid
@@ -30,6 +31,7 @@ directory of answers shards (one per dataset shard, same index):
 from __future__ import annotations
 
 import copy
+import functools
 import gzip
 import json
 import os
@@ -317,6 +319,15 @@ class Dataset:
         start, end = int(output_offsets[row]), int(output_offsets[row + 1])
         return SampleTensors(hidden, handle.get_slice("topk_ids")[start:end],
                              handle.get_slice("topk_logprobs")[start:end])
+
+    @functools.cached_property
+    def top_k(self) -> int:
+        """The fewest target log-probabilities a shard keeps per output position (0: made with --top-k 0)."""
+        widths = []
+        for path in dict.fromkeys(path for path, _ in self._locations):
+            with safe_open(str(path), framework="pt") as handle:
+                widths.append(handle.get_slice("topk_ids").get_shape()[-1])
+        return min(widths)
 
     @property
     def num_output_tokens(self) -> int:

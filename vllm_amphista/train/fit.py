@@ -276,6 +276,10 @@ def fit(options: FitOptions) -> FitResult:
         if init_method != options.method:
             raise ValueError(f"--init-heads {options.init_heads} holds {init_method} heads, not {options.method}")
     dataset = Dataset(options.data + (options.mix_data or []), options.target_feature_layers)
+    if options.objective == "distill" and dataset.top_k == 0:
+        raise DataError(f"--objective distill learns the target's top-k log-probabilities, and a dataset of "
+                        f"{options.data + (options.mix_data or [])} keeps none (made with --top-k 0): use "
+                        f"--objective hard or rebuild it with `features --top-k 8`")
     target = load_target(options.target)
     check_token_ids(dataset.samples, target.vocab_size, ", ".join(options.data + (options.mix_data or [])))
     target = target.to(options.device)

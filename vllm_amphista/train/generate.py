@@ -153,15 +153,19 @@ def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], firs
             completion = output.outputs[0]
             if recompute:
                 # prompt_logprobs[i] is the distribution that produced token i (None for token 0).
-                per_position = output.prompt_logprobs[len(job.sample.prompt_ids):]
+                per_position = output.prompt_logprobs[len(job.sample.prompt_ids):] if top_k else None
             else:
                 job.sample.output_ids = list(completion.token_ids)
                 per_position = completion.logprobs
-            ids, logprobs = zip(*(_top_k(position, top_k) for position in per_position)) if per_position else ((), ())
+            if top_k:
+                ids, logprobs = zip(*(_top_k(position, top_k) for position in per_position)) if per_position else ((), ())
+                topk_ids, topk_logprobs = torch.tensor(ids).reshape(-1, top_k), torch.tensor(logprobs).reshape(-1, top_k)
+            else:
+                topk_ids = torch.zeros((len(job.sample.output_ids), 0), dtype=torch.int32)
+                topk_logprobs = torch.zeros((len(job.sample.output_ids), 0))
             num_positions = len(job.sample.token_ids) - 1
-            job.tensors = SampleTensors(
-                recorder.take(output.request_id, num_positions + int(recompute)), torch.tensor(ids).reshape(-1, top_k),
-                torch.tensor(logprobs).reshape(-1, top_k))
+            job.tensors = SampleTensors(recorder.take(output.request_id, num_positions + int(recompute)), topk_ids,
+                                        topk_logprobs)
             job.tensors.hidden = job.tensors.hidden[:num_positions]
             if feature_layers:
                 hidden_size = job.tensors.hidden.shape[-1] // (1 + len(feature_layers))
@@ -266,10 +270,13 @@ def generate_dataset(
               max_num_batched_tokens=max(max_model_len, 4 * concurrency), max_logprobs=top_k)
     # In-process, the worker's return value is the recorder itself.
     (recorder,) = llm.collective_rpc(_install_recorder, args=(hidden_dtype, feature_layers))
+    # With top_k 0 the engine computes no log-probabilities: a recompute then runs the lm_head on no
+    # position but each sample's last.
+    logprobs = top_k or None
     if recompute:
-        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=logprobs, detokenize=False)
     else:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=top_k, seed=seed, detokenize=False)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, seed=seed, detokenize=False)
     totals = {"samples": 0, "output_tokens": 0, "tokens": 0, "bytes": 0, "seconds": 0.0}
     # Runs of consecutive missing shards are fed together, so the engine stays full across shard boundaries.
     runs: list[list[int]] = []
