@@ -275,13 +275,14 @@ def fit(options: FitOptions) -> FitResult:
         init_method = detect_method(options.init_heads)
         if init_method != options.method:
             raise ValueError(f"--init-heads {options.init_heads} holds {init_method} heads, not {options.method}")
-    dataset = Dataset(options.data + (options.mix_data or []), options.target_feature_layers)
+    directories = options.data + (options.mix_data or [])
+    dataset = Dataset(directories, options.target_feature_layers)
     if options.objective == "distill" and dataset.top_k == 0:
         raise DataError(f"--objective distill learns the target's top-k log-probabilities, and a dataset of "
-                        f"{options.data + (options.mix_data or [])} keeps none (made with --top-k 0): use "
-                        f"--objective hard or rebuild it with `features --top-k 8`")
+                        f"{directories} keeps none (made with --top-k 0): use --objective hard or rebuild it "
+                        f"with `features --top-k 8`")
     target = load_target(options.target)
-    check_token_ids(dataset.samples, target.vocab_size, ", ".join(options.data + (options.mix_data or [])))
+    check_token_ids(dataset.samples, target.vocab_size, ", ".join(directories))
     target = target.to(options.device)
     num_own = sum(dataset.directory_sizes[:len(options.data)])
     train_indices, eval_indices = split_indices(num_own, options.eval_fraction, options.seed,

@@ -153,19 +153,16 @@ def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], firs
             completion = output.outputs[0]
             if recompute:
                 # prompt_logprobs[i] is the distribution that produced token i (None for token 0).
-                per_position = output.prompt_logprobs[len(job.sample.prompt_ids):] if top_k else None
+                per_position = output.prompt_logprobs[len(job.sample.prompt_ids):] if top_k else ()
             else:
                 job.sample.output_ids = list(completion.token_ids)
-                per_position = completion.logprobs
-            if top_k:
-                ids, logprobs = zip(*(_top_k(position, top_k) for position in per_position)) if per_position else ((), ())
-                topk_ids, topk_logprobs = torch.tensor(ids).reshape(-1, top_k), torch.tensor(logprobs).reshape(-1, top_k)
-            else:
-                topk_ids = torch.zeros((len(job.sample.output_ids), 0), dtype=torch.int32)
-                topk_logprobs = torch.zeros((len(job.sample.output_ids), 0))
+                per_position = completion.logprobs or ()  # None with top_k 0
+            ids, logprobs = zip(*(_top_k(position, top_k) for position in per_position)) if per_position else ((), ())
+            shape = (len(job.sample.output_ids), top_k)
             num_positions = len(job.sample.token_ids) - 1
-            job.tensors = SampleTensors(recorder.take(output.request_id, num_positions + int(recompute)), topk_ids,
-                                        topk_logprobs)
+            job.tensors = SampleTensors(
+                recorder.take(output.request_id, num_positions + int(recompute)), torch.tensor(ids).reshape(shape),
+                torch.tensor(logprobs).reshape(shape))
             job.tensors.hidden = job.tensors.hidden[:num_positions]
             if feature_layers:
                 hidden_size = job.tensors.hidden.shape[-1] // (1 + len(feature_layers))
