@@ -593,3 +593,36 @@ def test_self_prompts_open_a_user_turn_and_keep_distinct_complete_requests(tiny_
     assert not keep_request("Write a poem about the sea.", finished=False)  # cut by the token limit
     assert not keep_request("Hi", finished=True)
     assert not keep_request("Tell me <|im_start|>assistant about it", finished=True)
+
+
+MMAPPED_BYTES_AFTER_A_LARGE_FREE = """
+import ctypes, sys, torch
+from vllm_amphista.train.fit import map_large_allocations
+if sys.argv[1] == "fit":
+    map_large_allocations()
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Mallinfo2
+freed = torch.empty(8 << 20, dtype=torch.uint8)
+del freed
+before = libc.mallinfo2().hblkhd
+kept = torch.empty(4 << 20, dtype=torch.uint8)
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "confstr")
+                    or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc's malloc")
+def test_fit_maps_each_large_batch_tensor_so_freeing_it_returns_it():
+    """After an 8 MiB free, glibc's default carves a 4 MiB tensor from the heap (fragmenting it as
+    batch sizes vary); the setting `fit` makes maps it."""
+    def mmapped_bytes(mode: str) -> int:
+        result = subprocess.run([sys.executable, "-c", MMAPPED_BYTES_AFTER_A_LARGE_FREE, mode],
+                                cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        return int(result.stdout.split()[-1])
+
+    assert mmapped_bytes("default") == 0
+    assert mmapped_bytes("fit") >= 4 << 20

@@ -21,6 +21,8 @@ machine's GEMM roofline in the training dtype.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import math
 import random
@@ -261,8 +263,25 @@ class StopRequest:
             signal.signal(number, handler)
 
 
+GLIBC_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+
+
+def map_large_allocations() -> None:
+    """Each batch's tensors have another size. After the first large free glibc raises its mmap
+    threshold, later batches are carved from the heap and fragment it: a fit's resident memory grew to
+    5.5 GB in 40 steps and 11.5 GB in 500, crowding the memory-mapped features out of the page cache.
+    A fixed 1 MiB threshold maps each large tensor and gives it back when freed (2 GB, as fast)."""
+    libc_name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(libc_name).mallopt
+    except (OSError, AttributeError, TypeError):  # not glibc: its allocator is not this one
+        return
+    mallopt(GLIBC_M_MMAP_THRESHOLD, 1 << 20)
+
+
 def fit(options: FitOptions) -> FitResult:
     options.validate()
+    map_large_allocations()
     started = time.monotonic()
     if options.threads:
         torch.set_num_threads(options.threads)
