@@ -35,8 +35,10 @@ $(TARGET)/model.safetensors $(TARGET)-medusa/model.safetensors: $(INSTALLED)
 demo: setup target
 	$(PRELOAD) $(PY) examples/quickstart.py --target $(TARGET)
 
+# Two workers, one test file each at a time (module fixtures such as an engine stay shared): the
+# engines under test run on one thread, so the two cores halve the suite's time.
 test: setup target
-	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 test-slow: setup target
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests

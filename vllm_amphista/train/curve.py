@@ -104,6 +104,7 @@ def _plot(points: list[dict], path: str, k: int) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     points = sorted(points, key=lambda point: point["output_tokens"])
     tokens = [point["output_tokens"] for point in points]
@@ -113,6 +114,9 @@ def _plot(points: list[dict], path: str, k: int) -> None:
         values = [point[key] if isinstance(point[key], float) else point[key]["all"] for point in points]
         axis.plot(tokens, values, marker="o", label=label)
     axis.set_xscale("log")
+    # Ticks at the points themselves: log-scale minor labels overlap between 1e5 and 1e7.
+    axis.set_xticks(tokens, [f"{count / 1e6:.1f}M" for count in tokens])
+    axis.xaxis.set_minor_formatter(NullFormatter())
     axis.set_xlabel("output tokens trained on")
     axis.set_ylabel(f"tau (greedy replay, K={k})")
     axis.grid(True, alpha=0.3)
