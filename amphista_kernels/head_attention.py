@@ -191,11 +191,22 @@ def _block_sizes(num_positions, head_dim):
     return block_k, triton.next_power_of_2(head_dim)
 
 
-def bidirectional_head_attention_reference(q, k, v, num_valid=None, scale=None):
-    """Torch implementation; see the module docstring for the semantics."""
+def bidirectional_head_attention_reference(q, k, v, num_valid=None, scale=None, batched_matmul=True):
+    """Torch implementation; see the module docstring for the semantics.
+
+    ``batched_matmul=False`` forms the two products as broadcast multiply-sums
+    instead of einsum's batched GEMMs: the same float32 arithmetic, which a
+    compiled graph fuses into its own kernels (at one request the two batched
+    GEMM calls cost more than the rest of the attention). It materialises
+    ``[B, K, K, H, D]``: for the few rows of inference, not for training."""
     _validate_inputs(q, k, v, num_valid, scale)
-    num_positions = q.shape[1]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * _default_scale(q, scale)
+    num_positions, dtype = q.shape[1], q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    if batched_matmul:
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    else:
+        scores = (q[:, :, None] * k[:, None]).sum(-1).permute(0, 3, 1, 2)
+    scores = scores * _default_scale(q, scale)
     if num_valid is not None:
         positions = torch.arange(num_positions, device=q.device)
         key_is_valid = positions[None, :] < num_valid[:, None]
@@ -204,8 +215,11 @@ def bidirectional_head_attention_reference(q, k, v, num_valid=None, scale=None):
     if num_valid is not None:
         # softmax over an all-masked row is NaN; such requests return zeros.
         probabilities = probabilities.masked_fill((num_valid <= 0)[:, None, None, None], 0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", probabilities, v.float())
-    return out.to(q.dtype)
+    if batched_matmul:
+        out = torch.einsum("bhqk,bkhd->bqhd", probabilities, v)
+    else:
+        out = (probabilities.permute(0, 2, 3, 1)[..., None] * v[:, None]).sum(2)
+    return out.to(dtype)
 
 
 def bidirectional_head_attention_triton(q, k, v, num_valid=None, scale=None, out=None):

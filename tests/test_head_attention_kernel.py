@@ -205,9 +205,9 @@ def assert_matches_oracle(out, name):
     assert error <= RELATIVE_TOLERANCE[q.dtype], f"relative error {error:.3e}"
 
 
-def run_reference(inputs) -> torch.Tensor:
+def run_reference(inputs, batched_matmul: bool = True) -> torch.Tensor:
     return bidirectional_head_attention_reference(
-        inputs["q"], inputs["k"], inputs["v"], inputs["num_valid"], inputs["scale"])
+        inputs["q"], inputs["k"], inputs["v"], inputs["num_valid"], inputs["scale"], batched_matmul)
 
 
 INTERPRETER_WORKER = textwrap.dedent("""
@@ -253,11 +253,12 @@ def interpreter_outputs(tmp_path_factory) -> dict:
     return {name: saved["outputs"][name]["out"] for name in INPUTS}
 
 
-@pytest.fixture(scope="module", params=["torch_reference", "triton_interpreter"])
+@pytest.fixture(scope="module", params=["torch_reference", "torch_reference_broadcast", "triton_interpreter"])
 def outputs(request) -> dict:
     if request.param == "triton_interpreter":
         return request.getfixturevalue("interpreter_outputs")
-    return {name: run_reference(inputs) for name, inputs in INPUTS.items()}
+    batched_matmul = request.param == "torch_reference"
+    return {name: run_reference(inputs, batched_matmul) for name, inputs in INPUTS.items()}
 
 
 @pytest.mark.parametrize("name", CALLS)

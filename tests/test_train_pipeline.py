@@ -82,8 +82,10 @@ def dataset_dir(tiny_llama_dir, prompts_path, tmp_path_factory):
 
 
 def options(tiny_llama_dir, dataset_dir, out, **overrides) -> FitOptions:
+    # Eager unless a test asks: a compile costs more than these short runs, and resumes compare losses exactly.
     fields = dict(target=str(tiny_llama_dir), data=[str(dataset_dir)], out=str(out), state_dir=f"{out}-state",
-                  batch_tokens=256, row_tokens=128, eval_fraction=0.1, eval_every=1000, lr=3e-3, threads=1)
+                  batch_tokens=256, row_tokens=128, eval_fraction=0.1, eval_every=1000, lr=3e-3, threads=1,
+                  compile="off")
     fields.update(overrides)
     return FitOptions(**fields)
 
@@ -310,6 +312,20 @@ def test_fit_lowers_the_loss(tiny_llama_dir, dataset_dir, tmp_path, objective):
     assert metrics["trained_tokens"] > 0 and metrics["train_tokens_per_second"] > 0
 
 
+def test_compiled_training_step_learns_what_the_eager_one_learns(tiny_llama_dir, dataset_dir, tmp_path):
+    steps = 8
+    eager = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "eager", max_steps=steps, precision="float32"))
+    compiled = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "compiled", max_steps=steps, precision="float32",
+                           compile="on"))
+    assert eager.compile_seconds is None and compiled.compile_seconds > 0
+    assert len(compiled.train_losses) == steps
+    # The same batches, the same updates: only the fused kernels' rounding differs.
+    assert compiled.train_losses == pytest.approx(eager.train_losses, rel=1e-3)
+    assert compiled.train_losses[-1] != pytest.approx(compiled.train_losses[0], rel=1e-3)
+    metrics = json.loads((tmp_path / "compiled-state" / "metrics.json").read_text())
+    assert metrics["compile_seconds"] == compiled.compile_seconds
+
+
 def test_max_minutes_then_resume_continues_the_same_run(tiny_llama_dir, dataset_dir, tmp_path):
     straight = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "straight", max_steps=5))
     stopped = fit(options(tiny_llama_dir, dataset_dir, tmp_path / "resumed", max_steps=5, max_minutes=0))
@@ -333,7 +349,7 @@ def test_sigterm_saves_the_run_and_resume_finishes_it_as_if_never_stopped(tiny_l
                "--data", str(dataset_dir), "--out", str(tmp_path / "killed"), "--state-dir", str(state),
                "--max-steps", str(total), "--batch-tokens", "256", "--row-tokens", "128", "--eval-fraction", "0.1",
                "--eval-every", "1000", "--lr", "3e-3", "--threads", "1", "--checkpoint-minutes", "0",
-               "--precision", "float32"]
+               "--precision", "float32", "--compile", "off"]
     process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -147,10 +147,14 @@ class HeadEncoderAttention(nn.Module):
         )
         query, key, value = qkv.unbind(dim=2)
         # The Triton kernel (CUDA) has no backward pass: training, and CPU tensors, use the torch
-        # reference, which computes the same function; inline, a compiled graph can fuse it.
+        # reference, which computes the same function; inline, a compiled graph can fuse it, products
+        # included when they are broadcast sums (a compiled graph is an engine's: a few rows).
         training = torch.is_grad_enabled() and heads.requires_grad
-        attend = bidirectional_head_attention if heads.is_cuda and not training else bidirectional_head_attention_reference
-        attended = attend(query, key, value)
+        if heads.is_cuda and not training:
+            attended = bidirectional_head_attention(query, key, value)
+        else:
+            attended = bidirectional_head_attention_reference(
+                query, key, value, batched_matmul=training or not torch.compiler.is_compiling())
         return self.o_proj(attended.reshape(num_positions, num_draft_heads, hidden_size))
 
 

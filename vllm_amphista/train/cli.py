@@ -23,7 +23,7 @@ from vllm_amphista.prompts import load_conversations, read_records
 from vllm_amphista.train import generate as generate_module
 from vllm_amphista.train import prompt_mix
 from vllm_amphista.train.evaluate import EvalOptions, evaluate
-from vllm_amphista.train.fit import PRECISIONS, FitOptions, autocast_dtype, fit
+from vllm_amphista.train.fit import COMPILE_MIN_STEPS, COMPILE_MODES, PRECISIONS, FitOptions, autocast_dtype, fit
 from vllm_amphista.train.batch import OBJECTIVES
 from vllm_amphista.train.generate import DTYPES
 from vllm_amphista.train.methods import METHODS
@@ -73,6 +73,8 @@ FIT_HELP = {
     "grad_clip": "gradient-norm clip",
     "seed": "seed for the eval split, batch order and initialisation",
     "precision": "auto: bfloat16 autocast on a GPU or a CPU with bf16 units, float32 elsewhere",
+    "compile": (f"torch.compile the training step; auto: when at least {COMPILE_MIN_STEPS} steps are left "
+                "(the compile takes ~40 s on a 2-core CPU, the steps then run ~1.8x faster)"),
     "eval_every": "steps between held-out accuracy evals",
     "checkpoint_minutes": "minutes between resumable checkpoints (also written on SIGTERM/SIGINT)",
     "state_dir": "where the resumable state and metrics.json go (default: .cache/fit/<name of --out>)",
@@ -98,7 +100,7 @@ EVAL_HELP = {
     "row_tokens": FIT_HELP["row_tokens"],
     "eagle_steps": "chained steps to evaluate for EAGLE heads",
 }
-CHOICES = {"method": METHODS, "objective": OBJECTIVES, "precision": PRECISIONS,
+CHOICES = {"method": METHODS, "objective": OBJECTIVES, "precision": PRECISIONS, "compile": COMPILE_MODES,
            **{name: sorted(DTYPES) for name in ("save_dtype", "generation_dtype")}}
 
 
@@ -338,8 +340,9 @@ def run_fit(options: FitOptions) -> None:
     precision = autocast_dtype(options) or torch.float32
     roofline = measure_roofline(options.target, precision) if options.device == "cpu" else None
     result = fit(options)
+    step_mode = "eager" if result.compile_seconds is None else f"compiled in {result.compile_seconds:.0f} s"
     print(f"trained {result.steps} steps in {result.seconds:.0f} s ({result.tokens_per_second:.0f} training "
-          f"tokens/s, {result.precision}); drafter saved to {options.out}")
+          f"tokens/s, {result.precision}, {step_mode}); drafter saved to {options.out}")
     if roofline and result.flops_per_token:
         from vllm_amphista.train.throughput import roofline_line
 

@@ -53,6 +53,10 @@ STATE_NAME = "state.pt"
 METRICS_NAME = "metrics.json"
 # auto: bf16 autocast on a GPU or a CPU with bf16 units (cpu_dtype), float32 elsewhere.
 PRECISIONS = ("auto", "bfloat16", "float32")
+# auto: the training step compiled (torch.compile, ~1.8x faster on a 2-core CPU, after a compile of
+# ~40 s) when at least COMPILE_MIN_STEPS steps are left to pay for the compile; eager otherwise.
+COMPILE_MODES = ("auto", "on", "off")
+COMPILE_MIN_STEPS = 100
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -101,6 +105,7 @@ class FitOptions:
     grad_clip: float = 1.0
     seed: int = 0
     precision: str = "auto"
+    compile: str = "auto"
     # Bookkeeping
     eval_every: int = 500
     checkpoint_minutes: float = 10.0
@@ -135,6 +140,8 @@ class FitOptions:
             raise ValueError(f"--save-dtype must be one of {sorted(DTYPES)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.batch_tokens < self.row_tokens:
             raise ValueError(f"--batch-tokens ({self.batch_tokens}) must be at least --row-tokens ({self.row_tokens})")
 
@@ -149,6 +156,7 @@ class FitResult:
     tokens_per_second: float
     flops_per_token: float | None  # forward + backward, counted on this process's first step
     precision: str  # "bfloat16" (autocast) or "float32"
+    compile_seconds: float | None  # compiling the training step (None: it ran eager)
 
 
 def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | None, samples) -> DraftMethod:
@@ -386,13 +394,24 @@ def fit(options: FitOptions) -> FitResult:
             tqdm.write(f"step {step} ({trained_tokens} tokens): top-1 {_fmt(result.top1)} top-5 {_fmt(result.top5)} "
                        f"accepted {result.mean_accepted:.2f}")
 
-    def train_step(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(batch, training_loss=method.training_loss) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(device_type=torch.device(options.device).type, dtype=torch.bfloat16,
                             enabled=precision is not None):
-            loss, head_loss = method.training_loss(batch, target, head_weights, options.objective,
-                                                   options.valid_prefix)
+            loss, head_loss = training_loss(batch, target, head_weights, options.objective, options.valid_prefix)
         loss.backward()
         return loss, head_loss
+
+    compiled_loss, compile_seconds = None, None
+    if options.compile == "on" or (options.compile == "auto" and total_steps - step >= COMPILE_MIN_STEPS):
+        # Compiled (dynamic shapes: packed batches differ in length) and run once on the first batch
+        # here, gradients dropped, so that the compile is timed apart from the training steps.
+        compile_started = time.monotonic()
+        compiled_loss = torch.compile(method.training_loss, dynamic=True)
+        train_step(build_batch(dataset, train_plans[0], method.num_heads, options.row_tokens,
+                               options.train_on_prompt).to(options.device), compiled_loss)
+        optimizer.zero_grad(set_to_none=True)
+        compile_seconds = time.monotonic() - compile_started
+        tqdm.write(f"compiled the training step in {compile_seconds:.0f} s")
 
     stopped_early, flops_per_token = False, None
     last_checkpoint = time.monotonic()
@@ -409,11 +428,11 @@ def fit(options: FitOptions) -> FitResult:
             if flops_per_token is None:  # counted once, on the first step this process runs
                 from torch.utils.flop_counter import FlopCounterMode
 
-                with FlopCounterMode(display=False) as counter:
+                with FlopCounterMode(display=False) as counter:  # eager: compiled kernels are not counted
                     loss, head_loss = train_step(batch)
                 flops_per_token = counter.get_total_flops() / max(batch.num_tokens, 1)
             else:
-                loss, head_loss = train_step(batch)
+                loss, head_loss = train_step(batch, compiled_loss or method.training_loss)
             torch.nn.utils.clip_grad_norm_(parameters, options.grad_clip)
             optimizer.step()
             scheduler.step()
@@ -453,11 +472,11 @@ def fit(options: FitOptions) -> FitResult:
         "method": options.method, "objective": options.objective, "steps": step, "total_steps": total_steps,
         "stopped_early": stopped_early, "seconds": seconds, "trained_tokens": trained_tokens,
         "training_seconds": training_seconds, "train_tokens_per_second": tokens_per_second,
-        "precision": precision_name, "flops_per_token": flops_per_token,
+        "precision": precision_name, "flops_per_token": flops_per_token, "compile_seconds": compile_seconds,
         "train_losses": train_losses, "evals": [{"step": at, **result.as_dict()} for at, result in evals],
     }, indent=1))
     return FitResult(step, train_losses, evals, stopped_early, seconds, tokens_per_second, flops_per_token,
-                     precision_name)
+                     precision_name, compile_seconds)
 
 
 def _fmt(values: list[float]) -> str:
