@@ -74,7 +74,7 @@ FIT_HELP = {
     "seed": "seed for the eval split, batch order and initialisation",
     "precision": "auto: bfloat16 autocast on a GPU or a CPU with bf16 units, float32 elsewhere",
     "compile": (f"torch.compile the training step; auto: when at least {COMPILE_MIN_STEPS} steps are left "
-                "(the compile takes ~40 s on a 2-core CPU, the steps then run ~1.8x faster)"),
+                "(the compile takes ~10-40 s on a 2-core CPU, the steps then run ~1.8-2x faster)"),
     "eval_every": "steps between held-out accuracy evals",
     "checkpoint_minutes": "minutes between resumable checkpoints (also written on SIGTERM/SIGINT)",
     "state_dir": "where the resumable state and metrics.json go (default: .cache/fit/<name of --out>)",

@@ -53,8 +53,8 @@ STATE_NAME = "state.pt"
 METRICS_NAME = "metrics.json"
 # auto: bf16 autocast on a GPU or a CPU with bf16 units (cpu_dtype), float32 elsewhere.
 PRECISIONS = ("auto", "bfloat16", "float32")
-# auto: the training step compiled (torch.compile, ~1.8x faster on a 2-core CPU, after a compile of
-# ~40 s) when at least COMPILE_MIN_STEPS steps are left to pay for the compile; eager otherwise.
+# auto: the training step compiled (torch.compile) when at least COMPILE_MIN_STEPS steps are left to
+# pay for the compile; eager otherwise.
 COMPILE_MODES = ("auto", "on", "off")
 COMPILE_MIN_STEPS = 100
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -401,14 +401,14 @@ def fit(options: FitOptions) -> FitResult:
         loss.backward()
         return loss, head_loss
 
-    compiled_loss, compile_seconds = None, None
+    step_loss, compile_seconds = method.training_loss, None
     if options.compile == "on" or (options.compile == "auto" and total_steps - step >= COMPILE_MIN_STEPS):
         # Compiled (dynamic shapes: packed batches differ in length) and run once on the first batch
         # here, gradients dropped, so that the compile is timed apart from the training steps.
         compile_started = time.monotonic()
-        compiled_loss = torch.compile(method.training_loss, dynamic=True)
+        step_loss = torch.compile(method.training_loss, dynamic=True)
         train_step(build_batch(dataset, train_plans[0], method.num_heads, options.row_tokens,
-                               options.train_on_prompt).to(options.device), compiled_loss)
+                               options.train_on_prompt).to(options.device), step_loss)
         optimizer.zero_grad(set_to_none=True)
         compile_seconds = time.monotonic() - compile_started
         tqdm.write(f"compiled the training step in {compile_seconds:.0f} s")
@@ -432,7 +432,7 @@ def fit(options: FitOptions) -> FitResult:
                     loss, head_loss = train_step(batch)
                 flops_per_token = counter.get_total_flops() / max(batch.num_tokens, 1)
             else:
-                loss, head_loss = train_step(batch, compiled_loss or method.training_loss)
+                loss, head_loss = train_step(batch, step_loss)
             torch.nn.utils.clip_grad_norm_(parameters, options.grad_clip)
             optimizer.step()
             scheduler.step()
