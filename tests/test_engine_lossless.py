@@ -6,11 +6,14 @@ early (stop tokens, small max_tokens), max_tokens=1, and a prompt that nearly
 fills max_model_len. One engine per method, each in its own subprocess.
 """
 
+import json
 import random
+import shutil
 
 import pytest
 
 from conftest import TINY_SPECIAL_TOKENS, TINY_WORDS, run_engine
+from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams
 
 MAX_MODEL_LEN = 256
 
@@ -93,15 +96,39 @@ def test_amphista_fewer_tokens_than_heads(tiny_llama_dir, random_heads_dir, plai
 
 # The load-aware default may choose K=0 for most of a run where this CPU's timings say drafting
 # does not pay: only a fixed K is sure to verify drafts, so only there are accepted drafts asserted.
-@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
-def test_hybrid_greedy_equals_plain(tiny_llama_dir, random_heads_dir, plain, requests, draft_length):
+def hybrid_config(heads_dir, draft_length: str) -> dict:
     # K=6 with 4 heads: the tables draft past the heads.
-    spec_run = run_engine(tiny_llama_dir, requests, {"method": "amphista_anpd", "model": str(random_heads_dir),
-                                                     "num_speculative_tokens": 6, "draft_length": draft_length})
+    return {"method": "amphista_anpd", "model": str(heads_dir), "num_speculative_tokens": 6,
+            "draft_length": draft_length}
+
+
+@pytest.fixture(scope="module")
+def hybrid_fixed(tiny_llama_dir, random_heads_dir, requests):
+    return run_engine(tiny_llama_dir, requests, hybrid_config(random_heads_dir, "fixed"))
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
+def test_hybrid_greedy_equals_plain(tiny_llama_dir, random_heads_dir, plain, requests, draft_length, request):
+    spec_run = (request.getfixturevalue("hybrid_fixed") if draft_length == "fixed"
+                else run_engine(tiny_llama_dir, requests, hybrid_config(random_heads_dir, draft_length)))
     assert_same_outputs(spec_run, plain, requests)
     if draft_length == "fixed":
         # Random heads are rarely right: accepted drafts on the repetitive prompts come from the tables.
         assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_hybrid_falls_back_on_the_heads_dirs_answer_ngrams(tiny_llama_dir, random_heads_dir, plain, requests,
+                                                           hybrid_fixed, tmp_path):
+    """A heads dir that ships answer n-grams (here counted from plain decoding's own outputs, so they
+    draft well): the tables fall back on them, more drafts are accepted, the outputs stay plain's."""
+    heads = tmp_path / "heads"
+    shutil.copytree(random_heads_dir, heads)
+    vocab_size = json.loads((heads / "config.json").read_text())["vocab_size"]
+    AnswerNgrams.build(plain["token_ids"], vocab_size, min_count=1).save(heads / ANSWER_NGRAMS_NAME)
+    spec_run = run_engine(tiny_llama_dir, requests, hybrid_config(heads, "fixed"))
+    assert_same_outputs(spec_run, plain, requests)
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    assert spec_run["spec"][accepted] > hybrid_fixed["spec"][accepted]
 
 
 @pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])

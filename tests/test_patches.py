@@ -72,7 +72,8 @@ def test_a_changed_vllm_signature_fails_loudly():
 def test_drafter_maths_imports_no_vllm():
     code = ("import sys; import amphista_kernels, vllm_amphista.configuration_amphista, "
             "vllm_amphista.modeling_amphista, vllm_amphista.checkpoint, vllm_amphista.anpd, vllm_amphista.prompts, "
-            "vllm_amphista.hybrid, vllm_amphista.draft_length, vllm_amphista.replay, vllm_amphista.cpu_dtype; "
+            "vllm_amphista.hybrid, vllm_amphista.answer_ngrams, vllm_amphista.draft_length, vllm_amphista.replay, "
+            "vllm_amphista.cpu_dtype; "
             "print(sorted(name for name in sys.modules if name == 'vllm' or name.startswith('vllm.')))")
     completed = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=VLLM_CPU_TEST_ENV,
                                capture_output=True, text=True, timeout=120)

@@ -32,6 +32,12 @@ Prediction and ties
     Updates are incremental: absorbing m new tokens costs O(m * N), never
     O(context length), and only the last N-1 tokens of history are kept.
 
+The target's own answers
+    Where no context of the request matches, the tables may fall back on
+    n-gram statistics of the target's answers to its training prompts
+    (answer_ngrams.AnswerNgrams, shared read-only by all requests), their
+    confidence scaled by FALLBACK_WEIGHT.
+
 Memory bound and eviction
     Each request holds at most `max_entries` contexts across all levels. The
     shared dict is an LRU (OrderedDict): a context moves to the end whenever
@@ -45,6 +51,14 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_amphista.answer_ngrams import AnswerNgrams
+
+# The answer n-grams' shares are scaled by this: replayed on Spec-Bench (BENCHMARKS.md), halving them
+# gave the hybrid its highest tau (the heads' chain is kept where the two disagree).
+FALLBACK_WEIGHT = 0.5
 
 
 class _Continuations:
@@ -71,13 +85,14 @@ class _Continuations:
 class NgramTables:
     """Multi-level N-gram statistics of one request (levels n = 2..max_n)."""
 
-    def __init__(self, max_n: int, max_entries: int) -> None:
+    def __init__(self, max_n: int, max_entries: int, fallback: AnswerNgrams | None = None) -> None:
         if max_n < 2:
             raise ValueError(f"max_n must be >= 2, got {max_n}")
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_n = max_n
         self.max_entries = max_entries
+        self.fallback = fallback
         # Context tuple (length n-1 for level n) -> continuations, LRU order.
         self._entries: OrderedDict[tuple[int, ...], _Continuations] = OrderedDict()
         # The last max_n-1 tokens: all that updates and drafts ever look at.
@@ -139,7 +154,8 @@ class NgramTables:
     def _predict(self, history: tuple[int, ...]) -> tuple[int, float] | None:
         """The next token and a confidence in (0, 1): the continuation's share of the
         context's counts (smoothed, so a context seen once is not certain), scaled by
-        how long the matched context is (a 2-gram match says less than an N-gram one)."""
+        how long the matched context is (a 2-gram match says less than an N-gram one); where no
+        context matches, the fallback's prediction."""
         # Longest context first: level N, then N-1, ..., down to level 2.
         for start in range(len(history)):
             context = history[start:]
@@ -147,6 +163,10 @@ class NgramTables:
             if continuations is not None:
                 share = (continuations.best_count + 1) / (continuations.total + 2)
                 return continuations.best_token, share * len(context) / (self.max_n - 1)
+        if self.fallback is not None:
+            prediction = self.fallback.predict(history)
+            if prediction is not None:
+                return prediction[0], prediction[1] * FALLBACK_WEIGHT
         return None
 
     def snapshot(self) -> dict[tuple[int, ...], tuple[int, dict[int, int]]]:
@@ -182,6 +202,7 @@ class AnpdDrafter:
         max_n: int,
         max_entries_per_request: int,
         num_speculative_tokens: int,
+        fallback: AnswerNgrams | None = None,
     ) -> None:
         if max_n < 2:
             raise ValueError(
@@ -198,6 +219,7 @@ class AnpdDrafter:
         self.max_n = max_n
         self.max_entries_per_request = max_entries_per_request
         self.num_speculative_tokens = num_speculative_tokens
+        self.fallback = fallback  # shared by every request's tables
         self._tables: dict[str, NgramTables] = {}
 
     @property
@@ -222,7 +244,7 @@ class AnpdDrafter:
         tables = self._tables.get(req_id)
         if tables is None or len(token_ids) < tables.num_tokens:
             tables = self._tables[req_id] = NgramTables(
-                self.max_n, self.max_entries_per_request
+                self.max_n, self.max_entries_per_request, self.fallback
             )
         if len(token_ids) > tables.num_tokens:
             tables.extend(token_ids[tables.num_tokens:])
@@ -231,7 +253,7 @@ class AnpdDrafter:
         """Append tokens to a request's sequence (a new request starts empty); returns its length."""
         tables = self._tables.get(req_id)
         if tables is None:
-            tables = self._tables[req_id] = NgramTables(self.max_n, self.max_entries_per_request)
+            tables = self._tables[req_id] = NgramTables(self.max_n, self.max_entries_per_request, self.fallback)
         tables.extend(token_ids)
         return tables.num_tokens
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_amphista.anpd import NgramTables
+from vllm_amphista.answer_ngrams import AnswerNgrams
 from vllm_amphista.hybrid import hybrid_draft
 from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
 
@@ -56,8 +57,9 @@ def replay(prompt_ids: list[int], output_ids: list[int], k: int, draft_fn, absor
     return steps
 
 
-def anpd_steps(prompt_ids: list[int], output_ids: list[int], k: int, max_n: int) -> int:
-    tables = NgramTables(max_n, max_entries=1 << 30)
+def anpd_steps(prompt_ids: list[int], output_ids: list[int], k: int, max_n: int,
+               fallback: AnswerNgrams | None = None) -> int:
+    tables = NgramTables(max_n, max_entries=1 << 30, fallback=fallback)
     return replay(prompt_ids, output_ids, k, lambda _context, room: tables.draft(room), tables.extend)
 
 
@@ -72,11 +74,12 @@ def head_chains(target, drafter: AmphistaDrafter, token_ids: list[int]) -> tuple
 
 
 def hybrid_steps(record: dict, chains: tuple[torch.Tensor, torch.Tensor], rule: str, ngram_weight: float, k: int,
-                 max_n: int) -> int:
-    """Target steps with a `hybrid.RULES` rule over the record's head chains and ANPD tables."""
+                 max_n: int, fallback: AnswerNgrams | None = None) -> int:
+    """Target steps with a `hybrid.RULES` rule over the record's head chains and ANPD tables (falling
+    back on the answer n-grams the heads dir ships, as in vLLM)."""
     draft_ids, probabilities = chains
     draft_ids, probabilities = draft_ids.tolist(), probabilities.tolist()
-    tables = NgramTables(max_n, max_entries=1 << 30)
+    tables = NgramTables(max_n, max_entries=1 << 30, fallback=fallback)
 
     def draft(context: list[int], room: int) -> list[int]:
         position = len(context) - 2  # h_{L-2} and the last token x_{L-1} give the next drafts

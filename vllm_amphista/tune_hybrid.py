@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_amphista.answer_ngrams import load_from_dir
 from vllm_amphista.assets import SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.greedy_answers import greedy_answers
 from vllm_amphista.modeling_amphista import AmphistaDrafter
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     categories = list(dict.fromkeys(record["category"] for record in records))
     chains = [head_chains(target, drafter, record["prompt_ids"] + record["output_ids"]) for record in records]
     chains_of = {id(record): record_chains for record, record_chains in zip(records, chains)}
+    fallback = load_from_dir(args.heads)
     taus = {label: tau_by_category(records, lambda record, rule=rule, weight=weight: hybrid_steps(
-                record, chains_of[id(record)], rule, weight, args.k, max_n))
+                record, chains_of[id(record)], rule, weight, args.k, max_n, fallback))
             for label, (rule, weight) in rows.items()}
     columns = [*categories, "all"]
     better = {c: max(taus["heads"][c], taus["anpd"][c]) for c in columns}

@@ -1,5 +1,5 @@
 """Command line: python -m vllm_amphista.train {mix,generate,features,export-tokens,fit,eval,curve,adapt,
-stdlib-prompts,self-prompts} --help
+ngrams,stdlib-prompts,self-prompts} --help
 
 `fit` and `eval` flags mirror the fields of FitOptions / EvalOptions (one
 flag per field, dashes for underscores; a boolean that defaults to True is
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_amphista.answer_ngrams import DEFAULT_MAX_CONTEXT, DEFAULT_MIN_COUNT
 from vllm_amphista.prompts import load_conversations, read_records
 from vllm_amphista.train import generate as generate_module
 from vllm_amphista.train import prompt_mix
@@ -214,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--data", required=True, nargs="+", help="dataset directories (one for an answers directory)")
     export.add_argument("--out", required=True, help="tokens file (.jsonl or .jsonl.gz) or answers directory")
 
+    ngrams = commands.add_parser(
+        "ngrams", help="n-gram statistics of the target's answers, written into a heads dir (answer_ngrams.npz): "
+                       "what the hybrid's per-request tables fall back on")
+    ngrams.add_argument("--answers", required=True, nargs="+",
+                        help="answers directories (data/answers/...) or tokens files of the target's answers to "
+                             "training prompts; never answers to the benchmarks you measure on")
+    ngrams.add_argument("--heads", required=True, help="the heads dir to write answer_ngrams.npz into")
+    ngrams.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
+                        help="longest context in tokens (default: %(default)s)")
+    ngrams.add_argument("--min-count", type=int, default=DEFAULT_MIN_COUNT,
+                        help="keep contexts seen at least this often (default: %(default)s)")
+
     add_dataclass_arguments(
         commands.add_parser("fit", help="train Amphista heads or a Medusa/EAGLE baseline on generated samples"),
         FitOptions, FIT_HELP,
@@ -350,6 +363,20 @@ def run_fit(options: FitOptions) -> None:
                             result.tokens_per_second, result.flops_per_token, roofline, result.precision))
 
 
+def run_ngrams(args: argparse.Namespace) -> None:
+    from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams
+    from vllm_amphista.checkpoint import read_heads_config
+    from vllm_amphista.train.data import read_token_file
+
+    vocab_size = read_heads_config(args.heads)["vocab_size"]
+    answers = [sample.output_ids for path in args.answers for sample in read_token_file(path)]
+    ngrams = AnswerNgrams.build(answers, vocab_size, args.max_context, args.min_count)
+    path = Path(args.heads) / ANSWER_NGRAMS_NAME
+    ngrams.save(path)
+    print(f"{len(answers)} answers, {ngrams.num_tokens} tokens: {ngrams.num_entries} contexts of "
+          f"1-{ngrams.max_context} tokens seen >= {args.min_count} times ({path.stat().st_size / 1e6:.1f} MB) in {path}")
+
+
 def run_export(args: argparse.Namespace) -> None:
     from vllm_amphista.train.data import Dataset, export_answers, read_token_file, write_token_file
 
@@ -380,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
             run_features(args)
         elif args.command == "export-tokens":
             run_export(args)
+        elif args.command == "ngrams":
+            run_ngrams(args)
         elif args.command == "fit":
             run_fit(FitOptions(**options))
         elif args.command == "curve":

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_amphista.answer_ngrams import load_from_dir
 from vllm_amphista.assets import SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.greedy_answers import greedy_answers
 from vllm_amphista.hybrid import NGRAM_WEIGHT
@@ -62,8 +63,9 @@ def run_curve(args: argparse.Namespace) -> dict:
         drafter = AmphistaDrafter.from_pretrained(heads, dtype=torch.float32).eval()
         chains = {id(record): head_chains(target, drafter, record["prompt_ids"] + record["output_ids"])
                   for record in tqdm(records, desc=f"replaying {heads}", unit="answer")}
+        fallback = load_from_dir(heads)
         taus = {rule: tau_by_category(records, lambda record, rule=rule: hybrid_steps(
-                    record, chains[id(record)], rule, NGRAM_WEIGHT, args.k, max_n))
+                    record, chains[id(record)], rule, NGRAM_WEIGHT, args.k, max_n, fallback))
                 for rule in ("heads", HYBRID_RULE)}
         points.append({"heads": heads, "output_tokens": tokens, "note": note,
                        "heads_tau": taus["heads"], "hybrid_tau": taus[HYBRID_RULE],

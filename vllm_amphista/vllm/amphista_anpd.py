@@ -10,7 +10,9 @@ CPU copy of the tokens, so the hybrid runs under async scheduling (patch 10),
 where the drafts go back as one [B, K] tensor: a draft shorter than K is
 padded with the heads' own later tokens (past the heads, their last one).
 Synchronous scheduling keeps per-request lengths. K may exceed the number of
-heads: the tables continue the heads' chain (or draft alone) up to K tokens.
+heads: the tables continue the heads' chain (or draft alone) up to K tokens. Where the heads dir
+ships `answer_ngrams.npz` (n-gram statistics of the target's answers to the heads' training
+prompts), the tables fall back on it where no context of the request matches.
 Tables are dropped the step vLLM frees a request, as for ANPD.
 On a GPU, reading the sampled tokens waits for the sampler (the tables live on
 the CPU): the one wait async scheduling otherwise avoids; what async scheduling
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from vllm_amphista.anpd import confident_prefix
+from vllm_amphista.answer_ngrams import load_from_dir
 from vllm_amphista.hybrid import hybrid_draft
 from vllm_amphista.vllm.amphista import MIN_DRAFT_CONFIDENCE, AmphistaProposer
 from vllm_amphista.vllm.anpd import RequestTables
@@ -31,7 +34,8 @@ from vllm_amphista.vllm.config import draft_length_mode
 class AmphistaAnpdProposer(AmphistaProposer):
     def __init__(self, vllm_config, device, runner):
         super().__init__(vllm_config, device, runner)
-        self.tables = RequestTables(vllm_config)
+        # Where the heads dir ships the target's answer n-grams, the tables fall back on them.
+        self.tables = RequestTables(vllm_config, load_from_dir(vllm_config.speculative_config.model))
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling

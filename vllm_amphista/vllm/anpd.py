@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vllm_amphista.anpd import AnpdDrafter
+from vllm_amphista.answer_ngrams import AnswerNgrams
 from vllm_amphista.vllm.config import draft_length_mode
 
 # Contexts kept per request: a 4k-token request needs about 5 x 4k at N=6.
@@ -37,13 +38,14 @@ class RequestTables:
     """Each live request's N-gram tables, kept in step with vLLM's input batch: shared by the
     ANPD and hybrid proposers."""
 
-    def __init__(self, vllm_config):
+    def __init__(self, vllm_config, fallback: AnswerNgrams | None = None):
         spec = vllm_config.speculative_config
         self.max_model_len = vllm_config.model_config.max_model_len
         self.drafter = AnpdDrafter(
             max_n=spec.prompt_lookup_max + 1,
             max_entries_per_request=MAX_CONTEXTS_PER_REQUEST,
             num_speculative_tokens=spec.num_speculative_tokens,
+            fallback=fallback,
         )
 
     def sync_for_draft(self, input_batch, row: int, req_id: str, k: int) -> int:

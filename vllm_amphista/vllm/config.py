@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgramsError, load_from_dir
 from vllm_amphista.checkpoint import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -66,6 +67,8 @@ def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: in
                 f"{config_path}: target_feature_layers {layers} reach past the target model's {num_layers} "
                 "layers; these heads were trained for another model"
             )
+    if method == "amphista_anpd":
+        check_answer_ngrams(path, config.get("vocab_size"))
     num_heads = config.get("num_draft_heads")
     if not isinstance(num_heads, int) or num_heads < 1:
         raise HeadsDirError(f"{config_path}: num_draft_heads must be a positive int, got {num_heads!r}")
@@ -76,6 +79,19 @@ def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: in
             "the heads with its N-gram tables)"
         )
     return num_heads
+
+
+def check_answer_ngrams(heads_dir: str, vocab_size: int | None) -> None:
+    """A heads dir's answer n-grams, where it ships them, load and fit its vocabulary."""
+    try:
+        ngrams = load_from_dir(heads_dir)
+    except AnswerNgramsError as error:
+        raise HeadsDirError(str(error)) from None
+    if ngrams is not None and vocab_size is not None and ngrams.vocab_size != vocab_size:
+        raise HeadsDirError(
+            f"{os.path.join(heads_dir, ANSWER_NGRAMS_NAME)} counts a {ngrams.vocab_size}-token vocabulary, "
+            f"the heads a {vocab_size}-token one: rebuild it from the target's answers (train ngrams)"
+        )
 
 
 def resolve_plugin_method(spec) -> str | None:
