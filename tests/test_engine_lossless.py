@@ -131,13 +131,31 @@ def test_hybrid_falls_back_on_the_heads_dirs_answer_ngrams(tiny_llama_dir, rando
     assert spec_run["spec"][accepted] > hybrid_fixed["spec"][accepted]
 
 
+@pytest.fixture(scope="module")
+def anpd_fixed(tiny_llama_dir, requests):
+    return run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4, "draft_length": "fixed"})
+
+
 @pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
-def test_anpd_greedy_equals_plain(tiny_llama_dir, plain, requests, draft_length):
-    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4,
-                                                     "draft_length": draft_length})
+def test_anpd_greedy_equals_plain(tiny_llama_dir, plain, requests, draft_length, request):
+    spec_run = (request.getfixturevalue("anpd_fixed") if draft_length == "fixed"
+                else run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4,
+                                                           "draft_length": draft_length}))
     assert_same_outputs(spec_run, plain, requests)
     if draft_length == "fixed":
         assert spec_run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0  # repetitive prompts get accepted
+
+
+def test_anpd_falls_back_on_answer_ngrams(tiny_llama_dir, plain, requests, anpd_fixed, tmp_path):
+    """ANPD given a directory of answer n-grams as its model (counted here from plain decoding's own
+    outputs): more drafts accepted, the outputs stay plain's."""
+    vocab_size = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    AnswerNgrams.build(plain["token_ids"], vocab_size, min_count=1).save(tmp_path / ANSWER_NGRAMS_NAME)
+    spec_run = run_engine(tiny_llama_dir, requests, {"method": "anpd", "model": str(tmp_path),
+                                                     "num_speculative_tokens": 4, "draft_length": "fixed"})
+    assert_same_outputs(spec_run, plain, requests)
+    accepted = "vllm:spec_decode_num_accepted_tokens"
+    assert spec_run["spec"][accepted] > anpd_fixed["spec"][accepted]
 
 
 def test_plugin_loads_in_the_engine_process(tiny_llama_dir, plain, requests):

@@ -82,6 +82,31 @@ def test_anpd_config(tiny_llama_dir):
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, ANPD_DEFAULT_MAX_CONTEXT)
 
 
+def test_anpd_takes_a_dir_of_answer_ngrams(tiny_llama_dir, tmp_path):
+    from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams
+
+    AnswerNgrams.build([[5, 6, 7]], vocab_size=320, min_count=1).save(tmp_path / ANSWER_NGRAMS_NAME)
+    config = json.dumps({"method": "anpd", "model": str(tmp_path), "num_speculative_tokens": 3})
+    spec = engine_config([str(tiny_llama_dir), "--speculative-config", config]).speculative_config
+    assert (spec.method, spec.model) == ("anpd", str(tmp_path))
+    # A dir without them, or with another vocabulary's, is refused before any model loads.
+    message = error_of([str(tiny_llama_dir), "--speculative-config",
+                        json.dumps({"method": "anpd", "model": str(tiny_llama_dir), "num_speculative_tokens": 3})])
+    assert "its optional 'model' is a directory holding answer_ngrams.npz" in message
+    AnswerNgrams.build([[5, 6, 7]], vocab_size=400, min_count=1).save(tmp_path / ANSWER_NGRAMS_NAME)
+    assert "counts a 400-token vocabulary, the model a 320-token one" in error_of(
+        [str(tiny_llama_dir), "--speculative-config", config])
+
+
+def test_hybrid_refuses_broken_answer_ngrams(tiny_llama_dir, heads_dir, tmp_path):
+    other = tmp_path / "heads"
+    shutil.copytree(heads_dir, other)
+    (other / "answer_ngrams.npz").write_bytes(b"truncated")
+    config = json.dumps({"method": "amphista_anpd", "model": str(other), "num_speculative_tokens": 4})
+    message = error_of([str(tiny_llama_dir), "--speculative-config", config])
+    assert "answer_ngrams.npz: not an answer n-gram file" in message
+
+
 def error_of(cli_args: list[str]) -> str:
     with pytest.raises(Exception) as raised:
         engine_config(cli_args)

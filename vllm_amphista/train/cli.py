@@ -216,12 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="tokens file (.jsonl or .jsonl.gz) or answers directory")
 
     ngrams = commands.add_parser(
-        "ngrams", help="n-gram statistics of the target's answers, written into a heads dir (answer_ngrams.npz): "
-                       "what the hybrid's per-request tables fall back on")
+        "ngrams", help="n-gram statistics of the target's answers (answer_ngrams.npz), what the per-request "
+                       "N-gram tables of amphista_anpd (heads dir) and anpd ('model': the dir) fall back on")
+    ngrams.add_argument("--target", required=True, help="target model directory (its vocabulary)")
     ngrams.add_argument("--answers", required=True, nargs="+",
                         help="answers directories (data/answers/...) or tokens files of the target's answers to "
                              "training prompts; never answers to the benchmarks you measure on")
-    ngrams.add_argument("--heads", required=True, help="the heads dir to write answer_ngrams.npz into")
+    ngrams.add_argument("--out", required=True, help="directory to write answer_ngrams.npz into (a heads dir)")
     ngrams.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="longest context in tokens (default: %(default)s)")
     ngrams.add_argument("--min-count", type=int, default=DEFAULT_MIN_COUNT,
@@ -364,14 +365,16 @@ def run_fit(options: FitOptions) -> None:
 
 
 def run_ngrams(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig
+
     from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams
-    from vllm_amphista.checkpoint import read_heads_config
     from vllm_amphista.train.data import read_token_file
 
-    vocab_size = read_heads_config(args.heads)["vocab_size"]
+    vocab_size = AutoConfig.from_pretrained(args.target).get_text_config().vocab_size
     answers = [sample.output_ids for path in args.answers for sample in read_token_file(path)]
     ngrams = AnswerNgrams.build(answers, vocab_size, args.max_context, args.min_count)
-    path = Path(args.heads) / ANSWER_NGRAMS_NAME
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / ANSWER_NGRAMS_NAME
     ngrams.save(path)
     print(f"{len(answers)} answers, {ngrams.num_tokens} tokens: {ngrams.num_entries} contexts of "
           f"1-{ngrams.max_context} tokens seen >= {args.min_count} times ({path.stat().st_size / 1e6:.1f} MB) in {path}")

@@ -16,6 +16,9 @@ step, so a step costs what was accepted, not the context length. Finished and
 aborted requests are dropped the step vLLM frees them (`drop_finished`, called
 from the runner's state update); a request the scheduler skips or preempts
 leaves the batch but not the runner, and keeps its tables until it returns.
+Given a directory as `model` (a heads dir that ships `answer_ngrams.npz`, or `train ngrams`'
+output), the tables fall back on the target's answer n-grams where no context of the request
+matches.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 
 from vllm_amphista.anpd import AnpdDrafter
-from vllm_amphista.answer_ngrams import AnswerNgrams
+from vllm_amphista.answer_ngrams import AnswerNgrams, load_from_dir
 from vllm_amphista.vllm.config import draft_length_mode
 
 # Contexts kept per request: a 4k-token request needs about 5 x 4k at N=6.
@@ -107,7 +110,8 @@ class RequestTables:
 class AnpdProposer:
     def __init__(self, vllm_config, runner):
         self.runner = runner
-        self.tables = RequestTables(vllm_config)
+        model = vllm_config.speculative_config.model
+        self.tables = RequestTables(vllm_config, load_from_dir(model if model != "anpd" else None))
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling

@@ -82,7 +82,7 @@ def check_amphista_heads(path: str, target_hf_config, num_speculative_tokens: in
 
 
 def check_answer_ngrams(heads_dir: str, vocab_size: int | None) -> None:
-    """A heads dir's answer n-grams, where it ships them, load and fit its vocabulary."""
+    """A dir's answer n-grams, where it has them, load and fit the vocabulary."""
     try:
         ngrams = load_from_dir(heads_dir)
     except AnswerNgramsError as error:
@@ -90,8 +90,18 @@ def check_answer_ngrams(heads_dir: str, vocab_size: int | None) -> None:
     if ngrams is not None and vocab_size is not None and ngrams.vocab_size != vocab_size:
         raise HeadsDirError(
             f"{os.path.join(heads_dir, ANSWER_NGRAMS_NAME)} counts a {ngrams.vocab_size}-token vocabulary, "
-            f"the heads a {vocab_size}-token one: rebuild it from the target's answers (train ngrams)"
+            f"the model a {vocab_size}-token one: rebuild it from the target's answers (train ngrams)"
         )
+
+
+def check_anpd_answer_ngrams_dir(path: str, vocab_size: int | None) -> None:
+    """ANPD's optional 'model': a directory with the target's answer n-grams for its tables to fall back on."""
+    if not os.path.isfile(os.path.join(path, ANSWER_NGRAMS_NAME)):
+        raise HeadsDirError(
+            f"method 'anpd' is training-free: its optional 'model' is a directory holding {ANSWER_NGRAMS_NAME} "
+            f"(the target's answer n-grams: a heads dir that ships them, or `train ngrams --out DIR`), got {path!r}"
+        )
+    check_answer_ngrams(path, vocab_size)
 
 
 def resolve_plugin_method(spec) -> str | None:
@@ -114,7 +124,8 @@ def resolve_plugin_method(spec) -> str | None:
             spec.num_speculative_tokens = num_heads
     else:
         if spec.model not in (None, "anpd"):
-            raise HeadsDirError(f"method 'anpd' is training-free and takes no 'model', got {spec.model!r}")
+            target = getattr(target_config, "get_text_config", lambda: target_config)()
+            check_anpd_answer_ngrams_dir(spec.model, getattr(target, "vocab_size", None))
         if spec.num_speculative_tokens is None:
             raise HeadsDirError("method 'anpd' needs num_speculative_tokens (draft tokens per step)")
     if method != "amphista":

@@ -13,7 +13,8 @@ The patches:
    config.json when it is omitted, validates our methods with clear errors
    before any model loads, and runs vLLM's own set-up under the built-in
    method ours behaves like ("draft_model" builds the draft ModelConfig from
-   the heads dir; "ngram" sets the n-gram window fields ANPD reuses).
+   the heads dir; "ngram" sets the n-gram window fields ANPD reuses, and
+   ANPD keeps its optional answer n-gram dir as its model).
 3. `SpeculativeConfig.use_eagle` is true for "amphista" and "amphista_anpd": vLLM's own note says
    it means "drafting from the target's hidden states"; with it the KV cache
    manager allocates the drafter's paged KV, the scheduler keeps the EAGLE
@@ -229,12 +230,14 @@ def _set_up_plugin_methods_in_config() -> None:
             self.method = _CONFIG_STAND_IN[method]
             # The hybrid's n-gram window: vLLM clears it for its draft-model stand-in.
             window = (self.prompt_lookup_min, self.prompt_lookup_max)
+            model = self.model
             try:
                 original(self)
             finally:
                 self.method = method
             if method == "anpd":
-                self.model = "anpd"
+                # ANPD's model is the directory of its answer n-grams, if it was given one.
+                self.model = model if model not in (None, "anpd") else "anpd"
             if method == "amphista_anpd":
                 self.prompt_lookup_min, self.prompt_lookup_max = window
 
