@@ -4,8 +4,9 @@ decoding, and prints tokens/s, the speedup and tau for every method.
     make demo          # sets everything up, then runs this
     python examples/quickstart.py --target models/SmolLM2-135M-Instruct
 
-Rows: plain decoding, vLLM's own ngram, and this plugin's anpd (training-free),
-amphista (the heads shipped in the package) and amphista_anpd (both), all in
+Rows: plain decoding, vLLM's own ngram, and this plugin's anpd (training-free; and
+falling back on the target's answer n-grams the heads dir ships), amphista (the heads
+shipped in the package) and amphista_anpd (both), all in
 the dtype this CPU computes fastest (vllm_amphista/cpu_dtype.py: float32 unless
 the CPU has bf16 units), plus plain decoding in vLLM's default dtype, so the
 table shows whether speculation beats the best plain configuration here.
@@ -44,6 +45,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME
     from vllm_amphista.assets import SHIPPED_HEADS
     from vllm_amphista.bench.engines import EngineFailed, EngineProcess, engine_label, set_engine_env
     from vllm_amphista.cpu_dtype import choose_cpu_dtype, isa_cap_aborts_bf16_engine
@@ -59,21 +61,24 @@ def main() -> None:
     if not os.path.isfile(os.path.join(heads, "config.json")):
         print(f"No Amphista heads at {heads}: showing the drafters that exist.")
         methods = [method for method in methods if not method.startswith("amphista")]
-    rows = [(method, method, dtype) for method in methods]
+    # (label, method, dtype, the dir vLLM gets as the method's model)
+    rows = [(method, method, dtype, heads if method.startswith("amphista") else None) for method in methods]
+    if os.path.isfile(os.path.join(heads, ANSWER_NGRAMS_NAME)):
+        rows.insert(methods.index("anpd") + 1, ("anpd + answer n-grams", "anpd", dtype, heads))
     aborting_cap = isa_cap_aborts_bf16_engine()
     if dtype != VLLM_DEFAULT_DTYPE and aborting_cap:
         print(f"Not running plain {VLLM_DEFAULT_DTYPE}: on this AMX CPU vLLM-CPU packs bf16 weights for AMX and "
               f"{aborting_cap} makes oneDNN refuse the AMX kernel (the engine aborts).")
     elif dtype != VLLM_DEFAULT_DTYPE:
-        rows.append((f"vanilla ({VLLM_DEFAULT_DTYPE}, vLLM's default)", "vanilla", VLLM_DEFAULT_DTYPE))
+        rows.append((f"vanilla ({VLLM_DEFAULT_DTYPE}, vLLM's default)", "vanilla", VLLM_DEFAULT_DTYPE, None))
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in PROMPTS]
     results = {}
-    for label, method, row_dtype in rows:
+    for label, method, row_dtype, model_dir in rows:
         print(f"building {label} ({row_dtype}) ...", flush=True)
         engine_args = dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
-                           heads_dir=heads if method.startswith("amphista") else None, dtype=row_dtype,
+                           heads_dir=model_dir, dtype=row_dtype,
                            max_model_len=1024, enforce_eager=args.engine == "eager")
         try:
             engine = EngineProcess(engine_args, prompt_ids[0], engine_core=args.engine_core)
@@ -91,7 +96,7 @@ def main() -> None:
         print(f"\n> {prompt}\n{tokenizer.decode(ids, skip_special_tokens=True)}")
     print(f"\n=== speed: one request at a time, {engine_label(args.engine, args.engine_core)}, this machine ===")
     print(f"{'method':<32}{'dtype':>10}{'tok/s':>8}{'speedup':>9}{'tau':>7}   same answers as plain {dtype}")
-    for label, method, row_dtype in rows:
+    for label, _, row_dtype, _ in rows:
         if label not in results:
             continue
         result = results[label]

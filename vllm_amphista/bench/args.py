@@ -26,7 +26,7 @@ def positive_int(value: str) -> int:
 
 # Methods that draft with trained weights, and the flag naming their dir.
 DRAFTER_DIR_FLAGS = {"amphista": "heads", "amphista_anpd": "heads", "medusa": "medusa_heads",
-                     "eagle": "eagle_heads", "dflash": "dflash_drafter"}
+                     "eagle": "eagle_heads", "dflash": "dflash_drafter", "anpd": "anpd_ngrams"}
 
 
 def add_drafter_dir_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,9 @@ def add_drafter_dir_flags(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE drafter dir for vLLM's eagle method (default: the shipped baseline)")
     parser.add_argument("--dflash-drafter", default=None,
                         help="DFlash drafter dir (`train fit --method dflash`) for vLLM's dflash method")
+    parser.add_argument("--anpd-ngrams", default=None, metavar="DIR",
+                        help="a dir holding answer_ngrams.npz (the shipped heads dir does) for the anpd rows' tables "
+                             "to fall back on, shown as anpd+ngrams (default: none, training-free ANPD)")
 
 
 def drafter_dir(args: argparse.Namespace, method: str) -> str | None:

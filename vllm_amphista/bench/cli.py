@@ -68,6 +68,7 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME
 from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.args import ALL_METHODS, add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
 from vllm_amphista.bench.engines import ENGINE_CORE_MODES, EngineFailed, EngineProcess, engine_label, set_engine_env
@@ -107,14 +108,18 @@ def planned_rows(args) -> list[MethodRun]:
         if method not in PLUGIN_METHODS:
             rows.append(MethodRun(method, method, heads_dir))
             continue
+        name = "anpd+ngrams" if method == "anpd" and heads_dir else method
         for draft_length in args.draft_length:
-            label = method if draft_length == "adaptive" else f"{method}[fixed K]"
+            label = name if draft_length == "adaptive" else f"{name}[fixed K]"
             rows.append(MethodRun(label, method, heads_dir, draft_length))
     rows += [MethodRun(f"amphista[{name}]", "amphista", directory, args.draft_length[0])
              for name, directory in args.ablation]
     for row in rows:
         if row.method == "dflash" and row.heads_dir is None:
             row.not_run = "skipped: no DFlash drafter given (--dflash-drafter, from `train fit --method dflash`)"
+        elif row.method == "anpd" and row.heads_dir is not None:
+            if not os.path.isfile(os.path.join(row.heads_dir, ANSWER_NGRAMS_NAME)):
+                row.not_run = f"skipped: no {ANSWER_NGRAMS_NAME} in {row.heads_dir}"
         elif row.heads_dir is not None and (reason := missing_weights(row.heads_dir)):
             row.not_run = f"skipped: {reason}"
     return rows

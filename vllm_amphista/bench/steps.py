@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
              if ("vanilla", engine) in runs}
     target_weights = weight_count(args.target)
     drafter_share = {method: drafter_weights_per_step(args, method) / target_weights for method in args.methods
-                     if drafter_dir(args, method) is not None}
+                     if method != "anpd" and drafter_dir(args, method) is not None}  # ANPD reads no weights
     for method, engine in rows:
         ms = _median_ms(runs[method, engine])
         tau = statistics.median(result.tau for result in runs[method, engine])
