@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, load_from_dir
 from vllm_amphista.assets import SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.greedy_answers import greedy_answers
 from vllm_amphista.replay import anpd_steps, replay, tau_by_category
@@ -40,6 +41,12 @@ def vllm_ngram_steps(prompt_ids: list[int], output_ids: list[int], k: int, min_n
 
 def drafters(args) -> dict[str, Callable[[list[int], list[int]], int]]:
     rows = {f"anpd N={n}": (lambda p, o, n=n: anpd_steps(p, o, args.k, n)) for n in args.anpd_n}
+    if args.answer_ngrams:
+        fallback = load_from_dir(args.answer_ngrams)
+        if fallback is None:
+            raise SystemExit(f"no {ANSWER_NGRAMS_NAME} in {args.answer_ngrams}")
+        rows.update({f"anpd N={n} + answer n-grams": (lambda p, o, n=n: anpd_steps(p, o, args.k, n, fallback))
+                     for n in args.anpd_n})
     for min_n, max_n in args.ngram:
         rows[f"vLLM ngram {min_n}..{max_n}"] = lambda p, o, lo=min_n, hi=max_n: vllm_ngram_steps(p, o, args.k, lo, hi)
     return rows
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ngram", type=lambda v: tuple(int(x) for x in v.split("..")), nargs="*",
                         default=[(2, 5), (1, 3), (1, 5)], metavar="MIN..MAX",
                         help="vLLM ngram windows to compare (default: 2..5 (the benchmark's), 1..3, 1..5)")
+    parser.add_argument("--answer-ngrams", metavar="DIR",
+                        help="also replay every N falling back on the answer n-grams in DIR (answer_ngrams.npz)")
     parser.add_argument("--tolerance", type=float, default=0.005,
                         help="recommend the smallest N whose overall tau is within this fraction of the best "
                              "N tried (default: %(default)s): each level stores one more context per token")
