@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_amphista.anpd import FALLBACK_WEIGHT, NgramTables
+from vllm_amphista.anpd import FALLBACK_WEIGHT, AnpdDrafter, NgramTables
 from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams, AnswerNgramsError, load_from_dir
 from vllm_amphista.assets import SHIPPED_HEADS
 from vllm_amphista.checkpoint import HeadsDirError
@@ -89,11 +89,16 @@ def test_save_and_load_keep_the_predictions(tmp_path):
 
 
 def test_a_broken_file_is_refused_with_its_path(tmp_path):
-    (tmp_path / ANSWER_NGRAMS_NAME).write_bytes(b"not a zip")
-    with pytest.raises(AnswerNgramsError, match=ANSWER_NGRAMS_NAME):
-        load_from_dir(tmp_path)
-    with pytest.raises(HeadsDirError, match=ANSWER_NGRAMS_NAME):
-        check_answer_ngrams(str(tmp_path), 8)
+    path = tmp_path / ANSWER_NGRAMS_NAME
+    AnswerNgrams.build([[1, 2, 3, 1, 2, 4]], vocab_size=8, min_count=1).save(path)
+    whole = path.read_bytes()
+    np.save(tmp_path / "array.npy", np.arange(3))
+    for broken in (b"", b"not a zip", whole[: len(whole) // 2], (tmp_path / "array.npy").read_bytes()):
+        path.write_bytes(broken)
+        with pytest.raises(AnswerNgramsError, match=ANSWER_NGRAMS_NAME):
+            load_from_dir(tmp_path)
+        with pytest.raises(HeadsDirError, match=ANSWER_NGRAMS_NAME):
+            check_answer_ngrams(str(tmp_path), 8)
     unsorted = {"token_bits": np.int64(3), "vocab_size": np.int64(8), "num_tokens": np.int64(4),
                 "min_count": np.int64(1), "keys_1": np.array([5, 2], dtype=np.uint64),
                 "next_1": np.array([1, 1], dtype=np.int32), "share_1": np.array([1, 1], dtype=np.float32)}
@@ -120,6 +125,25 @@ def test_tables_fall_back_only_where_the_request_matches_nothing():
     # The request never saw 7: the answers continue 7 -> 8 -> 9 at half their share.
     assert tables.scored_draft(2) == [(8, pytest.approx(FALLBACK_WEIGHT)), (9, pytest.approx(FALLBACK_WEIGHT))]
     assert NgramTables(max_n=3, max_entries=1000).scored_draft(2) == []
+
+
+def test_every_request_of_a_drafter_falls_back_also_after_a_rebuild():
+    answers = AnswerNgrams.build([[7, 8, 9]], vocab_size=16, min_count=1)
+    drafter = AnpdDrafter(max_n=3, max_entries_per_request=100, num_speculative_tokens=3, fallback=answers)
+    drafter.extend("a", [1, 7])
+    drafter.sync("b", [2, 3, 7])
+    assert drafter.draft("a") == drafter.draft("b") == [8, 9]
+    drafter.sync("b", [5, 7])  # shorter than what it absorbed: its tables start again
+    assert drafter.draft("b", 2) == [8, 9]
+    plain = AnpdDrafter(max_n=3, max_entries_per_request=100, num_speculative_tokens=3)
+    plain.extend("a", [1, 7])
+    assert plain.draft("a") == []
+
+
+def test_tokens_outside_the_vocabulary_match_nothing():
+    answers = AnswerNgrams.build([[1, 2, 3, 1, 2, 3]], vocab_size=4, min_count=1)
+    assert answers.predict([5, 1, 2]) == (3, 1.0)  # the context stops at the foreign token
+    assert answers.predict([1, 2, 4]) is None
 
 
 def test_the_shipped_heads_dir_ships_answer_ngrams_for_its_vocabulary():

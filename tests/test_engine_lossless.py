@@ -133,7 +133,8 @@ def test_hybrid_falls_back_on_the_heads_dirs_answer_ngrams(tiny_llama_dir, rando
 
 @pytest.fixture(scope="module")
 def anpd_fixed(tiny_llama_dir, requests):
-    return run_engine(tiny_llama_dir, requests, {"method": "anpd", "num_speculative_tokens": 4, "draft_length": "fixed"})
+    return run_engine(tiny_llama_dir, requests,
+                      {"method": "anpd", "num_speculative_tokens": 4, "draft_length": "fixed"})
 
 
 @pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])

@@ -99,9 +99,13 @@ def test_anpd_takes_a_dir_of_answer_ngrams(tiny_llama_dir, tmp_path):
 
 
 def test_hybrid_refuses_broken_answer_ngrams(tiny_llama_dir, heads_dir, tmp_path):
+    from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams
+
     other = tmp_path / "heads"
     shutil.copytree(heads_dir, other)
-    (other / "answer_ngrams.npz").write_bytes(b"truncated")
+    AnswerNgrams.build([[5, 6, 7, 5, 6, 8]], vocab_size=320, min_count=1).save(other / ANSWER_NGRAMS_NAME)
+    whole = (other / ANSWER_NGRAMS_NAME).read_bytes()
+    (other / ANSWER_NGRAMS_NAME).write_bytes(whole[: len(whole) // 2])  # a copy cut short
     config = json.dumps({"method": "amphista_anpd", "model": str(other), "num_speculative_tokens": 4})
     message = error_of([str(tiny_llama_dir), "--speculative-config", config])
     assert "answer_ngrams.npz: not an answer n-gram file" in message

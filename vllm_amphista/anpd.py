@@ -33,10 +33,12 @@ Prediction and ties
     O(context length), and only the last N-1 tokens of history are kept.
 
 The target's own answers
-    Where no context of the request matches, the tables may fall back on
-    n-gram statistics of the target's answers to its training prompts
-    (answer_ngrams.AnswerNgrams, shared read-only by all requests), their
-    confidence scaled by FALLBACK_WEIGHT.
+    Where no context of the request matches (not even a 2-gram), the tables
+    may fall back on n-gram statistics of the target's answers to its
+    training prompts (answer_ngrams.AnswerNgrams, shared read-only by all
+    requests), looked up with the last N-1 tokens at most, their confidence
+    scaled by FALLBACK_WEIGHT: the request's own text, when it matches at
+    all, knows better what comes next than the target's habits do.
 
 Memory bound and eviction
     Each request holds at most `max_entries` contexts across all levels. The

@@ -17,6 +17,8 @@ longest first: the longest match is the most specific evidence, as in the per-re
 from __future__ import annotations
 
 import os
+import zipfile
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -73,7 +75,9 @@ class AnswerNgrams:
         key = 0
         bits = self.token_bits
         contexts = []
-        for c, token in enumerate(reversed(history[-self.max_context:]), start=1):
+        for c, token in enumerate(reversed(history[-self.max_context:] if self.max_context else ()), start=1):
+            if not 0 <= token < self.vocab_size:  # no context reaches past a token it cannot hold
+                break
             key |= int(token) << (bits * (c - 1))
             contexts.append((c, key))
         for c, key in reversed(contexts):
@@ -109,8 +113,8 @@ class AnswerNgrams:
                         break
                     levels[c] = (arrays[f"keys_{c}"], arrays[f"next_{c}"], arrays[f"share_{c}"])
                 num_tokens, min_count = int(arrays["num_tokens"]), int(arrays["min_count"])
-        except (OSError, ValueError, KeyError) as error:
-            raise AnswerNgramsError(f"{path}: not an answer n-gram file ({error})") from error
+        except (OSError, EOFError, ValueError, KeyError, TypeError, zipfile.BadZipFile, zlib.error) as error:
+            raise AnswerNgramsError(f"{path}: not an answer n-gram file ({error!r})") from error
         for c, (keys, next_tokens, shares) in levels.items():
             if (keys.dtype != np.uint64 or not len(keys) == len(next_tokens) == len(shares)
                     or (len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])))):

@@ -4,7 +4,8 @@ and step. No vLLM: the proposer (vllm/amphista_anpd.py) and the replay that chos
 
 Each source gives a chain of (token, confidence): the heads their own probability of their
 top-1 token, ANPD the smoothed share of the matched context's counts scaled by the match
-length (anpd.NgramTables._predict). A chain's expected accepted length is the sum of its
+length, or where no context matches, the answer n-grams' share times anpd.FALLBACK_WEIGHT
+(anpd.NgramTables._predict). A chain's expected accepted length is the sum of its
 running confidence products. Candidates are every splice of the two: the heads' first j
 tokens, then ANPD's continuation of the history extended by them (j = 0 is ANPD's own chain,
 j = K the heads' whole chain). The rule takes the candidate with the longest expected

@@ -9,7 +9,8 @@ The heads need the target's hidden states: one float32 forward of each
 answered question (transformers), then the reference drafter gives every
 position's K drafts and their probabilities at once. Prints tau by Spec-Bench
 category for the heads alone, ANPD alone, the better of the two per category,
-and each rule (`hybrid.RULES`) at several ANPD weights.
+and each rule (`hybrid.RULES`) at several ANPD weights; ANPD's tables fall back
+on the heads dir's answer n-grams where it ships them, as in vLLM.
 """
 
 from __future__ import annotations

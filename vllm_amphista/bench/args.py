@@ -24,7 +24,7 @@ def positive_int(value: str) -> int:
     return number
 
 
-# Methods that draft with trained weights, and the flag naming their dir.
+# Methods that take a dir as their model, and the flag naming it: trained weights, or (anpd) answer n-grams.
 DRAFTER_DIR_FLAGS = {"amphista": "heads", "amphista_anpd": "heads", "medusa": "medusa_heads",
                      "eagle": "eagle_heads", "dflash": "dflash_drafter", "anpd": "anpd_ngrams"}
 
@@ -44,7 +44,7 @@ def add_drafter_dir_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def drafter_dir(args: argparse.Namespace, method: str) -> str | None:
-    """The weights dir `method` drafts with (flags of `add_drafter_dir_flags`), or None."""
+    """The dir `method` gets as its model (flags of `add_drafter_dir_flags`), or None."""
     if method not in DRAFTER_DIR_FLAGS:
         return None
     if method == "medusa" and args.medusa_heads is None:

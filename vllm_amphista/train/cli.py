@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_amphista.answer_ngrams import DEFAULT_MAX_CONTEXT, DEFAULT_MIN_COUNT
+from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, DEFAULT_MAX_CONTEXT, DEFAULT_MIN_COUNT, AnswerNgrams
 from vllm_amphista.prompts import load_conversations, read_records
 from vllm_amphista.train import generate as generate_module
 from vllm_amphista.train import prompt_mix
@@ -367,7 +367,6 @@ def run_fit(options: FitOptions) -> None:
 def run_ngrams(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
-    from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams
     from vllm_amphista.train.data import read_token_file
 
     vocab_size = AutoConfig.from_pretrained(args.target).get_text_config().vocab_size
@@ -377,7 +376,8 @@ def run_ngrams(args: argparse.Namespace) -> None:
     path = Path(args.out) / ANSWER_NGRAMS_NAME
     ngrams.save(path)
     print(f"{len(answers)} answers, {ngrams.num_tokens} tokens: {ngrams.num_entries} contexts of "
-          f"1-{ngrams.max_context} tokens seen >= {args.min_count} times ({path.stat().st_size / 1e6:.1f} MB) in {path}")
+          f"1-{ngrams.max_context} tokens seen >= {args.min_count} times ({path.stat().st_size / 1e6:.1f} MB) "
+          f"in {path}")
 
 
 def run_export(args: argparse.Namespace) -> None:

@@ -7,7 +7,9 @@ The held-out set is the target's greedy answers to Spec-Bench first turns (10 pe
 category by default: its first 8 categories are MT-Bench's), never trained on,
 made once through vLLM and cached in --out (`bench/greedy_answers.py`). Each
 heads dir is replayed alone ("heads") and in the deployed hybrid rule with ANPD
-("hybrid": `hybrid.hybrid_draft`'s defaults), as `tune_hybrid` replays them.
+("hybrid": `hybrid.hybrid_draft`'s defaults), as `tune_hybrid` replays them; the
+tables fall back on the heads dir's own answer n-grams where it ships them (as
+in vLLM), so compare hybrid points made with and without them apart.
 The x axis is what the run learned from (--output-tokens); the table also gives
 any note passed per run (--notes), such as its steps.
 """

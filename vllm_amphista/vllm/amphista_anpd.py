@@ -11,7 +11,7 @@ where the drafts go back as one [B, K] tensor: a draft shorter than K is
 padded with the heads' own later tokens (past the heads, their last one).
 Synchronous scheduling keeps per-request lengths. K may exceed the number of
 heads: the tables continue the heads' chain (or draft alone) up to K tokens. Where the heads dir
-ships `answer_ngrams.npz` (n-gram statistics of the target's answers to the heads' training
+ships `answer_ngrams.npz` (n-gram statistics of the target's answers to its training
 prompts), the tables fall back on it where no context of the request matches.
 Tables are dropped the step vLLM frees a request, as for ANPD.
 On a GPU, reading the sampled tokens waits for the sampler (the tables live on

@@ -28,7 +28,7 @@ import torch
 
 from vllm_amphista.anpd import AnpdDrafter
 from vllm_amphista.answer_ngrams import AnswerNgrams, load_from_dir
-from vllm_amphista.vllm.config import draft_length_mode
+from vllm_amphista.vllm.config import anpd_answer_ngrams_dir, draft_length_mode
 
 # Contexts kept per request: a 4k-token request needs about 5 x 4k at N=6.
 MAX_CONTEXTS_PER_REQUEST = 65536
@@ -110,8 +110,8 @@ class RequestTables:
 class AnpdProposer:
     def __init__(self, vllm_config, runner):
         self.runner = runner
-        model = vllm_config.speculative_config.model
-        self.tables = RequestTables(vllm_config, load_from_dir(model if model != "anpd" else None))
+        answer_ngrams = load_from_dir(anpd_answer_ngrams_dir(vllm_config.speculative_config.model))
+        self.tables = RequestTables(vllm_config, answer_ngrams)
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling

@@ -94,6 +94,11 @@ def check_answer_ngrams(heads_dir: str, vocab_size: int | None) -> None:
         )
 
 
+def anpd_answer_ngrams_dir(model: str | None) -> str | None:
+    """The answer n-gram dir ANPD was given as its model; None when it runs training-free."""
+    return None if model in (None, "anpd") else model
+
+
 def check_anpd_answer_ngrams_dir(path: str, vocab_size: int | None) -> None:
     """ANPD's optional 'model': a directory with the target's answer n-grams for its tables to fall back on."""
     if not os.path.isfile(os.path.join(path, ANSWER_NGRAMS_NAME)):
@@ -123,7 +128,7 @@ def resolve_plugin_method(spec) -> str | None:
         if spec.num_speculative_tokens is None:
             spec.num_speculative_tokens = num_heads
     else:
-        if spec.model not in (None, "anpd"):
+        if anpd_answer_ngrams_dir(spec.model):
             target = getattr(target_config, "get_text_config", lambda: target_config)()
             check_anpd_answer_ngrams_dir(spec.model, getattr(target, "vocab_size", None))
         if spec.num_speculative_tokens is None:

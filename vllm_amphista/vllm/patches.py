@@ -120,6 +120,7 @@ from vllm_amphista.draft_length import AdaptiveDraftLength
 from vllm_amphista.vllm.config import (
     HEADS_METHODS,
     PLUGIN_METHODS,
+    anpd_answer_ngrams_dir,
     draft_length_mode,
     resolve_plugin_method,
     settle_draft_length,
@@ -237,7 +238,7 @@ def _set_up_plugin_methods_in_config() -> None:
                 self.method = method
             if method == "anpd":
                 # ANPD's model is the directory of its answer n-grams, if it was given one.
-                self.model = model if model not in (None, "anpd") else "anpd"
+                self.model = anpd_answer_ngrams_dir(model) or "anpd"
             if method == "amphista_anpd":
                 self.prompt_lookup_min, self.prompt_lookup_max = window
 
