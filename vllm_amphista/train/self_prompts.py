@@ -58,6 +58,9 @@ def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_toke
                        temperature: float = 1.0, top_p: float = 0.95, dtype: str | None = None, seed: int = 0) -> dict:
     """Sample user requests from `target` until `count` distinct ones are kept (or eight rounds have
     run); write them as a question file. Returns the counts."""
+    # Unset, vLLM-CPU's KV cache takes most of the machine's memory (20 of 23 GiB seen on a 2-core
+    # EPYC, leaving none); requests of ~200 tokens need a few GiB, as in `generate`.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
