@@ -27,12 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="question file to write (JSONL: question_id, category, turns)")
     parser.add_argument("--count", type=int, default=6000, help="distinct requests to keep (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default: %(default)s)")
-    # Min-p truncates the tail without sorting the vocabulary every step, as top-p does (2.5x the
-    # requests per second on CPU); a higher temperature brings back the variety top-p 0.95 had.
-    parser.add_argument("--temperature", type=float, default=1.3)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.05,
-                        help="drop tokens below this share of the likeliest one's probability (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below this share of the likeliest one's probability; with --top-p 1 the "
+                             "tail is cut without sorting the vocabulary every step, as top-p does on CPU")
     parser.add_argument("--dtype", help="engine dtype (default: the one cpu_dtype chooses)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -59,7 +58,7 @@ def keep_request(text: str, finished: bool) -> bool:
 
 
 def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_tokens: int = 128,
-                       temperature: float = 1.3, top_p: float = 1.0, min_p: float = 0.05, dtype: str | None = None,
+                       temperature: float = 1.0, top_p: float = 0.95, min_p: float = 0.0, dtype: str | None = None,
                        seed: int = 0) -> dict:
     """Sample user requests from `target` until `count` distinct ones are kept (or eight rounds have
     run); write them as a question file. Returns the counts."""
