@@ -611,6 +611,45 @@ def test_self_prompts_open_a_user_turn_and_keep_distinct_complete_requests(tiny_
     assert not keep_request("Tell me <|im_start|>assistant about it", finished=True)
 
 
+def test_self_prompts_drop_answered_listed_and_evaluation_requests(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from vllm_amphista.prompts import chat_prompt_ids
+    from vllm_amphista.train.data import Sample, write_answers_shard
+    from vllm_amphista.train.self_prompts import RequestFilter, answered_requests
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    words = TINY_WORDS[7:40]
+    answered, later_turn = " ".join(words[0:4]), " ".join(words[4:7])
+    answers_dir = tmp_path / "answers"
+    answers_dir.mkdir()
+    two_turns = [{"role": "user", "content": " ".join(words[7:9])}, {"role": "assistant", "content": words[9]},
+                 {"role": "user", "content": later_turn}]
+    write_answers_shard(answers_dir / "shard_00000.npz", [
+        Sample(chat_prompt_ids(tokenizer, answered), [5, 6]), Sample(chat_prompt_ids(tokenizer, two_turns), [7])])
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text(json.dumps({"question_id": 1, "turns": [" ".join(words[10:14])]}) + "\n")
+    eval_file = tmp_path / "eval.jsonl"
+    eval_turn = " ".join(words[14:24])
+    eval_file.write_text(json.dumps({"question_id": 1, "turns": [" ".join(words[24:27]), eval_turn]}) + "\n")
+
+    # Only single-turn prompts hold a first request; a later turn's prompt is not one.
+    assert answered_requests(answers_dir, tokenizer) == [answered]
+    request_filter = RequestFilter(tokenizer, [answers_dir, listed], [eval_file])
+    assert request_filter.num_known == 2
+    assert request_filter.is_known(answered.upper() + "!")
+    assert request_filter.is_known(" ".join(words[10:14]))
+    assert request_filter.is_known(" ".join(words[24:27]))  # an evaluation turn itself
+    assert not request_filter.is_known(later_turn)
+    assert not request_filter.is_known(" ".join(words[0:5]))
+    assert request_filter.is_near_eval(f"{words[30]} {' '.join(words[15:23])} {words[31]}")  # 8 words shared
+    assert not request_filter.is_near_eval(" ".join(words[15:22]))  # 7 are not enough
+    with pytest.raises(DataError, match="no answers shards"):
+        RequestFilter(tokenizer, [tmp_path], [eval_file])
+    with pytest.raises(DataError, match="no such file"):
+        RequestFilter(tokenizer, [], [tmp_path / "missing.jsonl"])
+
+
 MMAPPED_BYTES_AFTER_A_LARGE_FREE = """
 import ctypes, sys, torch
 from vllm_amphista.train.fit import map_large_allocations

@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> None:
             from vllm_amphista.train.self_prompts import write_self_prompts
 
             print(json.dumps(write_self_prompts(args.target, args.out, args.count, args.max_tokens, args.temperature,
-                                                args.top_p, args.min_p, args.dtype, args.seed)))
+                                                args.top_p, args.min_p, args.dtype, args.seed, args.exclude,
+                                                args.eval_questions)))
         elif args.command == "adapt":
             from vllm_amphista.train.adapt import run_adapt
 
