@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from vllm_amphista.prompts import DataError, load_prompts, read_records
-from vllm_amphista.train.data import ANSWERS_GLOB, read_answers_shard
+from vllm_amphista.train.data import read_token_file
 
 SENTINEL = "\x00user request\x00"
 CATEGORY = "self"
@@ -78,11 +78,8 @@ def word_ngrams(text: str, n: int = EVAL_NGRAM) -> set[tuple[str, ...]]:
 
 def answered_requests(answers_dir: Path, tokenizer) -> list[str]:
     """The user requests of a directory of answers shards whose prompts are a single user turn."""
-    shards = sorted(answers_dir.glob(ANSWERS_GLOB))
-    if not shards:
-        raise DataError(f"{answers_dir}: no answers shards ({ANSWERS_GLOB})")
     before, after = request_template(tokenizer)
-    prompts = tokenizer.batch_decode([sample.prompt_ids for shard in shards for sample in read_answers_shard(shard)])
+    prompts = tokenizer.batch_decode([sample.prompt_ids for sample in read_token_file(answers_dir)])
     requests = [prompt[len(before):len(prompt) - len(after)] for prompt in prompts
                 if prompt.startswith(before) and prompt.endswith(after)]
     # A later turn's prompt holds the first answer, closed as the user's request is.
