@@ -9,6 +9,7 @@ and greedy output equals plain decoding, float32.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO_ROOT, VLLM_CPU_TEST_ENV, build_random_heads, run_engine, run_llm, tiny_samples, write_jsonl
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
@@ -188,6 +189,18 @@ def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_di
         assert engine_drafts[0].tolist() == reference_drafts[last].tolist(), f"drafts differ at position {last}"
         compared += 1
     assert compared >= 10
+
+
+def test_layered_heads_without_their_projection_are_refused(tiny_llama_dir, layered_heads, tmp_path):
+    """The engine multiplies combine.proj into fuse as it loads them: heads that lost it are refused by
+    name, not run on a half-loaded matrix."""
+    broken = tmp_path / "heads"
+    shutil.copytree(layered_heads, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["combine.proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(AssertionError, match=r"Amphista checkpoint lacks \['combine.proj.weight'\]"):
+        run_llm(tiny_llama_dir, "report({})", {"method": "amphista", "model": str(broken), "num_speculative_tokens": 3})
 
 
 def test_greedy_equals_plain_with_layered_heads(tiny_llama_dir, layered_heads, draft_token_heads):

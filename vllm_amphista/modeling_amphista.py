@@ -117,10 +117,15 @@ INIT_STD = 0.02
 
 
 LinearFactory = Callable[[int, int], nn.Module]
+NormFactory = Callable[[int, float], nn.Module]
 
 
 def plain_linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
+
+
+def plain_rms_norm(hidden_size: int, eps: float) -> LlamaRMSNorm:
+    return LlamaRMSNorm(hidden_size, eps=eps)
 
 
 def _init_linear(layer: nn.Linear, zero: bool = False) -> None:
@@ -172,11 +177,12 @@ class HeadEncoderMLP(nn.Module):
 class HeadEncoderLayer(nn.Module):
     """Pre-norm transformer encoder layer over the K head positions."""
 
-    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear,
+                 norm: NormFactory = plain_rms_norm):
         super().__init__()
-        self.norm1 = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm1 = norm(config.hidden_size, config.rms_norm_eps)
         self.attn = HeadEncoderAttention(config, linear)
-        self.norm2 = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm2 = norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = HeadEncoderMLP(config, linear)
 
     def forward(self, heads: torch.Tensor) -> torch.Tensor:
@@ -185,9 +191,10 @@ class HeadEncoderLayer(nn.Module):
 
 
 class HeadEncoder(nn.Module):
-    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear,
+                 norm: NormFactory = plain_rms_norm):
         super().__init__()
-        self.layers = nn.ModuleList(HeadEncoderLayer(config, linear) for _ in range(config.encoder_num_layers))
+        self.layers = nn.ModuleList(HeadEncoderLayer(config, linear, norm) for _ in range(config.encoder_num_layers))
 
     def forward(self, heads: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -199,9 +206,10 @@ class DraftTokenMLP(nn.Module):
     """head + down(act(up([head, norm(token embedding)]))): a head's features corrected by the
     token drafted before it."""
 
-    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear,
+                 norm: NormFactory = plain_rms_norm):
         super().__init__()
-        self.token_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.token_norm = norm(config.hidden_size, config.rms_norm_eps)
         self.up_proj = linear(2 * config.hidden_size, config.draft_token_mlp_size)
         self.down_proj = linear(config.draft_token_mlp_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
@@ -223,11 +231,13 @@ class AutoEmbeddingBlock(nn.Module):
 
     Works on single positions (``N`` rows, from any mix of requests), so the
     vLLM proposer can run it on just the last position of each request. Every
-    matrix is a module made by `linear` (``nn.Linear`` here; the vLLM side
-    passes its own linear layers, which prepack their weights for the CPU).
+    matrix is a module made by `linear` and every norm by `norm` (``nn.Linear``
+    and transformers' RMSNorm here; the vLLM side passes its own linear layers,
+    which prepack their weights for the CPU, and norms that run vLLM's kernels).
     """
 
-    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear,
+                 norm: NormFactory = plain_rms_norm):
         super().__init__()
         self.num_draft_heads = config.num_draft_heads
         self.hidden_size = config.hidden_size
@@ -236,9 +246,9 @@ class AutoEmbeddingBlock(nn.Module):
         self.near_proj = linear(config.hidden_size, num_near * config.hidden_size) if num_near else None
         self.far_proj = linear(config.hidden_size, num_far * config.hidden_size) if num_far else None
         self.position_embedding = nn.Parameter(torch.empty(config.num_draft_heads, config.hidden_size))
-        self.encoder = HeadEncoder(config, linear) if config.use_encoder else None
-        self.final_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.draft_token_mlp = DraftTokenMLP(config, linear) if config.draft_token_mlp_size else None
+        self.encoder = HeadEncoder(config, linear, norm) if config.use_encoder else None
+        self.final_norm = norm(config.hidden_size, config.rms_norm_eps)
+        self.draft_token_mlp = DraftTokenMLP(config, linear, norm) if config.draft_token_mlp_size else None
 
     def forward(self, stage1_out: torch.Tensor, stage2_out: torch.Tensor) -> torch.Tensor:
         """[N, H], [N, H] -> [N, K, H] normalised head features."""
@@ -318,11 +328,11 @@ def draft_logits(head_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> tor
 class FeatureCombiner(nn.Module):
     """[N, n*H] residual streams of n target layers -> [N, H] features in the place of h_t."""
 
-    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear):
+    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear,
+                 norm: NormFactory = plain_rms_norm):
         super().__init__()
         self.hidden_size = config.hidden_size
-        self.norms = nn.ModuleList(LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-                                   for _ in config.target_feature_layers)
+        self.norms = nn.ModuleList(norm(config.hidden_size, config.rms_norm_eps) for _ in config.target_feature_layers)
         self.proj = linear(config.feature_size, config.hidden_size)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

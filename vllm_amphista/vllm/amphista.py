@@ -55,6 +55,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -64,7 +65,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
-from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, FeatureCombiner, draft_chain, greedy_tokens
+from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, draft_chain, greedy_tokens
 from vllm_amphista.vllm.config import draft_length_mode
 
 # With a load-aware draft length, a request's draft stops where the product of its heads'
@@ -104,6 +105,28 @@ def _replicated_linear(vllm_config: VllmConfig):
     return make
 
 
+class CpuRMSNorm(RMSNorm):
+    """vLLM's RMSNorm with an eager CPU path on vLLM's C++ kernels: vLLM-CPU runs the formula, six
+    torch ops that cost ~10x the kernel at the drafter's few rows. In a compiled graph the norm
+    takes `forward_native` (custom ops off), so Inductor fuses the formula as before."""
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.variance_size_override is not None or not self.has_weight or self.weight.dtype != x.dtype:
+            return self.forward_native(x, residual)
+        x = x.contiguous()  # the kernels read rows as contiguous: a strided view would be misread
+        if residual is None:
+            out = torch.empty_like(x)
+            torch.ops._C.rms_norm(out, x, self.weight.data, self.variance_epsilon)
+            return out
+        residual = residual.contiguous()
+        torch.ops._C.fused_add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
+        return x, residual
+
+
+def _rms_norm(hidden_size: int, eps: float) -> CpuRMSNorm:
+    return CpuRMSNorm(hidden_size, eps=eps)
+
+
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "hidden_states": 0})
 class AmphistaStages(nn.Module):
     """Fusion of h_t with the sampled token's embedding, then the Staged Adaptation Layers over
@@ -116,10 +139,13 @@ class AmphistaStages(nn.Module):
         self.config = config
         # Replaced by the target's embedding when the proposer loads the drafter.
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        # The runner concatenates the target layers' streams (vLLM's auxiliary hidden states).
-        self.combine = (FeatureCombiner(config, _replicated_linear(vllm_config))
-                        if config.target_feature_layers else None)
-        fuse_in = 2 * config.hidden_size if config.use_sampled_token else config.hidden_size
+        # The runner concatenates the target layers' streams (vLLM's auxiliary hidden states). The
+        # reference drafter projects the normalised streams (combine.proj) and then fuses the result
+        # with the token's embedding (fuse); both are linear, so here one matrix does both
+        # (`load_weights` multiplies them out): one GEMM less, and fewer weights to read.
+        self.stream_norms = nn.ModuleList(_rms_norm(config.hidden_size, config.rms_norm_eps)
+                                          for _ in config.target_feature_layers or ())
+        fuse_in = config.feature_size + (config.hidden_size if config.use_sampled_token else 0)
         self.fuse = _replicated_linear(vllm_config)(fuse_in, config.hidden_size)
         num_stage_layers = NUM_STAGES * config.stage_num_layers if config.use_stages else 0
         # Attention layer names must hold one integer and not clash with the
@@ -130,6 +156,9 @@ class AmphistaStages(nn.Module):
                                    prefix=f"{prefix}.layers.{start_layer_id + i}", config=llama_config)
             for i in range(num_stage_layers)
         )
+        for layer in self.layers:
+            layer.input_layernorm = _rms_norm(config.hidden_size, config.rms_norm_eps)
+            layer.post_attention_layernorm = _rms_norm(config.hidden_size, config.rms_norm_eps)
 
     def _run_stage(self, stage: int, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         per_stage = self.config.stage_num_layers
@@ -141,8 +170,9 @@ class AmphistaStages(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """input_ids[i] is the token sampled after hidden_states[i] ([N, H], or [N, n*H] for n target
         layers) -> [N, 2H] both stages' outputs."""
-        if self.combine is not None:
-            hidden_states = self.combine(hidden_states)
+        if self.stream_norms:
+            streams = hidden_states.split(self.config.hidden_size, dim=-1)
+            hidden_states = torch.cat([norm(stream) for norm, stream in zip(self.stream_norms, streams)], dim=-1)
         if self.config.use_sampled_token:
             fused = self.fuse(torch.cat([self.embed_tokens(input_ids), hidden_states], dim=-1))
         else:
@@ -150,7 +180,9 @@ class AmphistaStages(nn.Module):
         if not self.config.use_stages:
             return torch.cat([fused, fused], dim=-1)
         stage1 = self._run_stage(0, positions, fused)
-        return torch.cat([stage1, self._run_stage(1, positions, stage1)], dim=-1)
+        # A stage's first layer keeps its input as the residual, which vLLM's fused add-norm kernels
+        # update in place: stage 2 gets its own copy, so stage 1's output survives it.
+        return torch.cat([stage1, self._run_stage(1, positions, stage1.clone())], dim=-1)
 
 
 @support_torch_compile(dynamic_arg_dims={"stage_outputs": 0})
@@ -162,7 +194,7 @@ class AmphistaHeads(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", lm_head: nn.Module | None = None):
         super().__init__()
         config = _drafter_config(vllm_config)
-        self.block = AutoEmbeddingBlock(config, _replicated_linear(vllm_config))
+        self.block = AutoEmbeddingBlock(config, _replicated_linear(vllm_config), _rms_norm)
         self.lm_head = lm_head
         if config.draft_vocab_size:
             self.register_buffer("draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -247,14 +279,28 @@ class AmphistaDrafterForVLLM(nn.Module):
         confidence = log_confidence[:, :num_tokens].exp() if with_confidence else None
         return token_ids, confidence
 
+    def _input_matrix(self, fuse: torch.Tensor, combine: torch.Tensor | None = None) -> torch.Tensor:
+        """The checkpoint's fuse ([H, H + H] with the token's embedding, else [H, H]) and combine.proj
+        ([H, n*H]) -> the one matrix of fuse([embedding,] combine.proj(streams)) over [embedding,]
+        streams, in float32 (rounded once, to the engine's dtype, when loaded)."""
+        if combine is None:
+            return fuse
+        hidden_size = self.config.hidden_size
+        fuse = fuse.float()
+        return torch.cat([fuse[:, :-hidden_size], fuse[:, -hidden_size:] @ combine.float()], dim=1)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         if self.heads.draft_to_target is not None:
             params["draft_to_target"] = self.heads.draft_to_target
         per_stage = self.config.stage_num_layers
         loaded: set[str] = set()
+        input_matrices: dict[str, torch.Tensor] = {}  # multiplied out into model.fuse below
         for name, tensor in weights:
             shard = None
+            if name in ("fuse.weight", "combine.proj.weight"):
+                input_matrices[name] = tensor
+                continue
             if name.startswith("stages."):
                 _, stage, _, index, rest = name.split(".", 4)
                 name = f"model.layers.{int(stage) * per_stage + int(index)}.{rest}"
@@ -262,8 +308,8 @@ class AmphistaDrafterForVLLM(nn.Module):
                     if hf_name in name:
                         name, shard = name.replace(hf_name, vllm_name), shard_id
                         break
-            elif name == "fuse.weight" or name.startswith("combine."):
-                name = f"model.{name}"
+            elif name.startswith("combine.norms."):
+                name = f"model.stream_{name.removeprefix('combine.')}"
             elif name not in ("lm_head.weight", "draft_to_target"):
                 name = f"heads.block.{name}"
             if name not in params:
@@ -275,8 +321,17 @@ class AmphistaDrafterForVLLM(nn.Module):
             else:
                 weight_loader(param, tensor, shard)
             loaded.add(name)
+        expected = {"fuse.weight"} | ({"combine.proj.weight"} if self.config.target_feature_layers else set())
+        if set(input_matrices) - expected:
+            raise ValueError(f"Amphista checkpoint has an unexpected tensor {sorted(set(input_matrices) - expected)}")
+        if set(input_matrices) == expected:
+            param = params["model.fuse.weight"]
+            getattr(param, "weight_loader", default_weight_loader)(
+                param, self._input_matrix(input_matrices["fuse.weight"], input_matrices.get("combine.proj.weight")))
+            loaded.add("model.fuse.weight")
         # The embedding is the target's, shared after loading.
-        missing = {n for n in params if not n.startswith("model.embed_tokens")} - loaded
+        missing = ({n for n in params if not n.startswith("model.embed_tokens")} - loaded - {"model.fuse.weight"}
+                   | expected - set(input_matrices))
         if missing:
             raise ValueError(f"Amphista checkpoint lacks {sorted(missing)}")
         return loaded | {n for n in params if n.startswith("model.embed_tokens")}
