@@ -328,12 +328,12 @@ def draft_logits(head_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> tor
 class FeatureCombiner(nn.Module):
     """[N, n*H] residual streams of n target layers -> [N, H] features in the place of h_t."""
 
-    def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear,
-                 norm: NormFactory = plain_rms_norm):
+    def __init__(self, config: AmphistaConfig):
         super().__init__()
         self.hidden_size = config.hidden_size
-        self.norms = nn.ModuleList(norm(config.hidden_size, config.rms_norm_eps) for _ in config.target_feature_layers)
-        self.proj = linear(config.feature_size, config.hidden_size)
+        self.norms = nn.ModuleList(plain_rms_norm(config.hidden_size, config.rms_norm_eps)
+                                   for _ in config.target_feature_layers)
+        self.proj = plain_linear(config.feature_size, config.hidden_size)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         streams = features.split(self.hidden_size, dim=-1)
