@@ -283,10 +283,12 @@ def teacher_forced_drafts(next_token_ids: torch.Tensor, num_draft_heads: int,
     return torch.stack(shifted, dim=-1) if shifted else next_token_ids.new_zeros(*next_token_ids.shape, 0)
 
 
-def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., V] logits -> ([...] each row's argmax, [...] its log-probability)."""
-    # fp32: the argmax of bf16 logits is several times slower on CPU, and the softmax needs it.
-    logits = logits.float()
+def greedy_tokens(logits: torch.Tensor, with_log_probs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[..., V] logits -> ([...] each row's argmax, [...] its log-probability, or None without
+    `with_log_probs`: the logsumexp costs a drafter on CPU twice its argmax)."""
+    if not with_log_probs:
+        return logits.argmax(dim=-1), None
+    logits = logits.float()  # the softmax needs float32
     best, token_ids = logits.max(dim=-1)
     return token_ids, best - torch.logsumexp(logits, dim=-1)
 
@@ -297,27 +299,29 @@ def draft_chain(
     embed: Callable[[torch.Tensor], torch.Tensor],
     draft_to_target: torch.Tensor | None,
     draft_token_mlp: DraftTokenMLP | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_log_probs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[N, K, H] head features -> ([N, K] each head's greedy token as a target id, [N, K] its
-    log-probability). `project` maps features to draft-vocabulary logits, `embed` target ids to
-    embeddings. With `draft_token_mlp` the chain is drafted head by head, each head reading the
-    token drafted before it; without it, in one projection."""
+    log-probability, or None without `with_log_probs`). `project` maps features to
+    draft-vocabulary logits, `embed` target ids to embeddings. With `draft_token_mlp` the chain is
+    drafted head by head, each head reading the token drafted before it; without it, in one
+    projection."""
     def to_target(token_ids: torch.Tensor) -> torch.Tensor:
         return token_ids if draft_to_target is None else draft_to_target[token_ids]
 
     if draft_token_mlp is None:
-        token_ids, log_probs = greedy_tokens(project(heads))
+        token_ids, log_probs = greedy_tokens(project(heads), with_log_probs)
         return to_target(token_ids), log_probs
     chain, chain_log_probs, previous = [], [], None
     for k in range(heads.shape[1]):
         head = heads[:, k]
         if previous is not None:
             head = draft_token_mlp(head, embed(previous))
-        token_ids, log_probs = greedy_tokens(project(head))
+        token_ids, log_probs = greedy_tokens(project(head), with_log_probs)
         previous = to_target(token_ids)
         chain.append(previous)
         chain_log_probs.append(log_probs)
-    return torch.stack(chain, dim=1), torch.stack(chain_log_probs, dim=1)
+    return torch.stack(chain, dim=1), torch.stack(chain_log_probs, dim=1) if with_log_probs else None
 
 
 def draft_logits(head_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,8 @@ class AmphistaStages(nn.Module):
 class AmphistaHeads(nn.Module):
     """The Auto-embedding Block on each request's last position: [B, 2H] stage outputs -> [B, K, H]
     head features; given the drafter's own lm_head, the chain ([B, K] target token ids, each head's
-    greedy token, and [B, K] their log-probabilities) in the same compiled graph."""
+    greedy token, and [B, K] their log-probabilities, or None without `with_confidence`) in the
+    same compiled graph."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", lm_head: nn.Module | None = None):
         super().__init__()
@@ -203,6 +204,8 @@ class AmphistaHeads(nn.Module):
             self.draft_to_target = None
         # Heads that read the drafted tokens embed them with the target's embedding (`share_embedding`).
         object.__setattr__(self, "embed_tokens", None)
+        # Set by the proposer before the first pass (a compiled graph is traced once).
+        self.with_confidence = True
 
     def share_embedding(self, embed_tokens: nn.Module) -> None:
         object.__setattr__(self, "embed_tokens", embed_tokens)
@@ -212,7 +215,8 @@ class AmphistaHeads(nn.Module):
         heads = self.block(stage1, stage2)
         if self.lm_head is None:
             return heads
-        return draft_chain(heads, self.lm_head, self.embed_tokens, self.draft_to_target, self.block.draft_token_mlp)
+        return draft_chain(heads, self.lm_head, self.embed_tokens, self.draft_to_target, self.block.draft_token_mlp,
+                           self.with_confidence)
 
 
 class AmphistaDrafterForVLLM(nn.Module):
@@ -260,10 +264,10 @@ class AmphistaDrafterForVLLM(nn.Module):
             return self.lm_head(head_features)
         return self.logits_processor(self.lm_head, head_features)
 
-    def draft(self, stage_outputs: torch.Tensor, num_tokens: int,
-              with_confidence: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft(self, stage_outputs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, 2H] stage outputs at each request's last position -> ([B, num_tokens] draft token ids,
-        [B, num_tokens] each head's probability of its own draft, or None without `with_confidence`).
+        [B, num_tokens] each head's probability of its own draft, or None where the heads give none
+        (`AmphistaHeads.with_confidence`)).
 
         All K heads run (the encoder is bi-directional among them, as trained);
         the first `num_tokens` heads' greedy tokens form the chain.
@@ -275,10 +279,11 @@ class AmphistaDrafterForVLLM(nn.Module):
             token_ids, log_confidence = heads_out
         else:
             logits = self.compute_logits(heads_out.reshape(batch * self.config.num_draft_heads, -1))
-            token_ids, log_confidence = (x.view(batch, -1) for x in greedy_tokens(logits))
+            token_ids, log_confidence = greedy_tokens(logits, self.heads.with_confidence)
+            token_ids = token_ids.view(batch, -1)
+            log_confidence = None if log_confidence is None else log_confidence.view(batch, -1)
         token_ids = token_ids[:, :num_tokens]
-        confidence = log_confidence[:, :num_tokens].exp() if with_confidence else None
-        return token_ids, confidence
+        return token_ids, None if log_confidence is None else log_confidence[:, :num_tokens].exp()
 
     def _input_matrix(self, fuse: torch.Tensor, combine: torch.Tensor | None = None) -> torch.Tensor:
         """The checkpoint's fuse ([H, H + H] with the token's embedding, else [H, H]) and combine.proj
@@ -366,6 +371,8 @@ class AmphistaProposer(EagleProposer):
         # Per-request lengths need list drafts; async scheduling reads them as one [B, K] tensor.
         self.truncate_drafts = (draft_length_mode(vllm_config.speculative_config) == "adaptive"
                                 and not vllm_config.scheduler_config.async_scheduling)
+        # Whether the heads' chains come with each head's probability of its token.
+        self.with_confidence = self.truncate_drafts
         parallel = vllm_config.parallel_config
         # With data or context parallelism a rank that skips its stages would leave the others
         # waiting in the pass's collectives.
@@ -385,14 +392,14 @@ class AmphistaProposer(EagleProposer):
         super().load_model(target_model)
         # vLLM has given the stages the target's embedding; heads that read drafted tokens embed them so too.
         self.model.heads.share_embedding(self.model.model.embed_tokens)
+        self.model.heads.with_confidence = self.with_confidence
 
     def _set_positions(self, num_tokens: int, positions: torch.Tensor) -> None:
         # vLLM's reads the target's `uses_mrope` (a walk of its HF config, ~0.1 ms on CPU) every call.
         self.positions[:num_tokens] = positions[0] if self.target_uses_mrope else positions
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
-        token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args,
-                                                           with_confidence=self.truncate_drafts, **kwargs)
+        token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
         if not self.truncate_drafts:
             return token_ids
         lengths = (confidence.cumprod(dim=1) >= MIN_DRAFT_CONFIDENCE).sum(dim=1).tolist()
@@ -415,7 +422,6 @@ class AmphistaProposer(EagleProposer):
         mm_embed_inputs=None,
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings=None,
-        with_confidence: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([B, K] draft token ids, [B, K] each head's probability of its own token, or None
         without `with_confidence`)."""
@@ -448,13 +454,13 @@ class AmphistaProposer(EagleProposer):
         if defer:
             self._defer(cad, req_ids, first_positions, backlog)
             empty = target_hidden_states.new_empty(cad.num_reqs, 0)
-            return empty.long(), empty.float() if with_confidence else None
+            return empty.long(), empty.float() if self.with_confidence else None
         stage_outputs = self._run_stages(num_tokens, cad)
         last_positions = stage_outputs[token_indices_to_sample]
         if num_speculative_tokens == 0:  # a prefill chunk or a full backlog: the KV above is written
             empty = last_positions.new_empty(last_positions.shape[0], 0)
-            return empty.long(), empty.float() if with_confidence else None
-        return self.model.draft(last_positions, num_speculative_tokens, with_confidence)
+            return empty.long(), empty.float() if self.with_confidence else None
+        return self.model.draft(last_positions, num_speculative_tokens)
 
     def _run_stages(self, num_tokens: int, cad) -> torch.Tensor:
         """The stages over the first `num_tokens` rows of the input buffers, as `cad` describes them."""

@@ -42,6 +42,7 @@ class AmphistaAnpdProposer(AmphistaProposer):
         self._heads_chains: dict[str, list[tuple[int, float]]] = {}
         self._lengths: dict[str, int] = {}  # requests that gained tokens this step -> their length
         self._draft_length = 0  # this step's K
+        self.with_confidence = True  # the hybrid rule weighs each head's token by it
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
