@@ -271,6 +271,42 @@ CpuPlatform.check_and_update_config = classmethod(keep_async_decision)
 """
 
 
+# The start of a `run_llm` body: records, in `calls`, what each pass of the Amphista drafter's stages
+# is fed ("stages": token ids, positions, target features, and the rows the heads draft from, None
+# on passes that draft nothing) and each chain it drafts ("chain": [B, K] token ids), in order.
+RECORD_AMPHISTA_PASSES = """
+import torch
+drafter = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+calls = []
+run_stages, chain = drafter._run_stages, drafter.model.chain
+
+def recorded_run_stages(num_tokens, cad, rows_to_draft=None):
+    calls.append(("stages", drafter.input_ids[:num_tokens].clone(), drafter.positions[:num_tokens].clone(),
+                  drafter.hidden_states[:num_tokens].clone(), None if rows_to_draft is None else rows_to_draft.clone()))
+    return run_stages(num_tokens, cad, rows_to_draft)
+
+def recorded_chain(heads_out, num_tokens):
+    token_ids, confidence = chain(heads_out, num_tokens)
+    calls.append(("chain", token_ids.clone()))
+    return token_ids, confidence
+
+drafter._run_stages, drafter.model.chain = recorded_run_stages, recorded_chain
+"""
+
+
+def drafted_rows(calls) -> list[tuple[tuple, int, list[int]]]:
+    """`RECORD_AMPHISTA_PASSES`' calls of one request -> (its drafting pass, the row drafted from,
+    the chain drafted) per drafting step; rows after the drafted one were rejected drafts."""
+    drafted, stage_pass = [], None
+    for call in calls:
+        if call[0] == "stages":
+            stage_pass = call
+            continue
+        (row,) = stage_pass[4].tolist()
+        drafted.append((stage_pass, row, call[1][0].tolist()))
+    return drafted
+
+
 def run_llm(target_dir, body: str, speculative_config: dict | None = None, llm_kwargs: dict | None = None,
             args=None, extra_env: dict | None = None, timeout: float = 600, prelude: str = "") -> dict:
     """Run test code against a fresh in-process engine in a subprocess; return what it reported.

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import REPO_ROOT, run_engine
+from conftest import RECORD_AMPHISTA_PASSES, REPO_ROOT, drafted_rows, run_engine
 
 from vllm_amphista.cpu_dtype import choose_cpu_dtype
 
@@ -93,36 +93,33 @@ def test_shipped_heads_exist_and_fit_the_target():
     assert os.path.getsize(os.path.join(SHIPPED_HEADS, "model.safetensors")) < 50 * 2**20
 
 
-# In the engine's process: record what the drafter model is fed and what it drafts, step by step.
-RECORD_DRAFTER_BODY = """
-import torch
-runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-model = runner.drafter.model
-calls = []
-stage_forward, draft = model.forward, model.draft
+# In the engine's process: record what the drafter is fed and what it drafts, step by step.
+# With args["heads_apart"], drafting steps run the heads in their own graph, as where the stages'
+# pass replays a CUDA graph; "heads_apart_calls" counts the steps that did.
+RECORD_DRAFTER_BODY = RECORD_AMPHISTA_PASSES + """
+run_heads, heads_apart_calls = drafter.model.run_heads, []
 
-def recorded_forward(input_ids, positions, hidden_states, inputs_embeds=None):
-    out = stage_forward(input_ids, positions, hidden_states, inputs_embeds)
-    calls.append(("stages", input_ids.clone(), positions.clone(), hidden_states.clone(), out.clone()))
-    return out
+def counted_run_heads(stage_outputs):
+    heads_apart_calls.append(stage_outputs.shape[0])
+    return run_heads(stage_outputs)
 
-def recorded_draft(stage_outputs, num_tokens, *options):
-    token_ids, confidence = draft(stage_outputs, num_tokens, *options)
-    calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
-    return token_ids, confidence
-
-model.forward, model.draft = recorded_forward, recorded_draft
+drafter.model.run_heads = counted_run_heads
+if args["heads_apart"]:
+    drafter._heads_join_stages = lambda cudagraph_runtime_mode: False
 outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=48))
 torch.save(calls, args["path"])
-report({"output": list(outputs[0].outputs[0].token_ids), "spec": metrics("vllm:spec_decode")})
+report({"output": list(outputs[0].outputs[0].token_ids), "spec": metrics("vllm:spec_decode"),
+        "heads_apart_calls": len(heads_apart_calls)})
 """
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
-def test_vllm_drafter_drafts_what_the_reference_drafter_drafts(tokenizer, tmp_path, enforce_eager):
-    """The vLLM-side drafter (stage layers on paged KV, vLLM's linear layers, compiled or not) and the
-    reference `AmphistaDrafter`, both loaded from the shipped heads and fed the same hidden states and
-    tokens, draft the same token ids at every step of a generation (float32)."""
+@pytest.mark.parametrize("enforce_eager,heads_apart", [(True, False), (False, False), (True, True)],
+                         ids=["eager", "compiled", "eager-heads-apart"])
+def test_vllm_drafter_drafts_what_the_reference_drafter_drafts(tokenizer, tmp_path, enforce_eager, heads_apart):
+    """The vLLM-side drafter (stage layers on paged KV, vLLM's linear layers, compiled or not, the heads
+    in the stages' graph or, as where that pass replays a CUDA graph, in their own) and the reference
+    `AmphistaDrafter`, both loaded from the shipped heads and fed the same hidden states and tokens,
+    draft the same token ids at every step of a generation (float32)."""
     import torch
     from safetensors import safe_open
 
@@ -135,30 +132,25 @@ def test_vllm_drafter_drafts_what_the_reference_drafter_drafts(tokenizer, tmp_pa
     run = run_llm(TARGET, RECORD_DRAFTER_BODY, {"method": "amphista", "model": SHIPPED_HEADS,
                                                 "num_speculative_tokens": 4, "draft_length": "fixed"},
                   llm_kwargs={"max_model_len": 512, "enforce_eager": enforce_eager},
-                  args={"prompt": prompt, "path": str(tmp_path / "calls.pt")})
+                  args={"prompt": prompt, "path": str(tmp_path / "calls.pt"), "heads_apart": heads_apart})
     assert run["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
     calls = torch.load(tmp_path / "calls.pt")
+    # On CPU no pass replays a CUDA graph: the heads run apart only where forced to.
+    assert (run["heads_apart_calls"] > 0) is heads_apart
     reference = AmphistaDrafter.from_pretrained(SHIPPED_HEADS, dtype=torch.float32).eval()
     with safe_open(str(TARGET / "model.safetensors"), framework="pt") as weights:
         embed = weights.get_tensor("model.embed_tokens.weight").float()
     seen_ids, seen_hidden = {}, {}  # position -> what the drafter was fed there, as finally accepted
     compared = 0
-    stage_call = None
-    for call in calls:
-        if call[0] == "stages":  # layered heads: the stages are fed the target's layers uncombined, as the reference
-            stage_call = call
-            continue
-        _, stage_outputs, engine_drafts = call
-        _, input_ids, positions, hidden, outputs = stage_call
-        # The drafted row is the request's last accepted position; rows after it were rejected drafts.
-        (row,) = [i for i in range(outputs.shape[0]) if torch.equal(outputs[i], stage_outputs[0])]
+    # Layered heads: the stages are fed the target's layers uncombined, as the reference is.
+    for (_, input_ids, positions, hidden, _), row, engine_drafts in drafted_rows(calls):
         for i in range(row + 1):
             seen_ids[int(positions[i])], seen_hidden[int(positions[i])] = int(input_ids[i]), hidden[i]
         last = int(positions[row])
         assert sorted(seen_ids)[: last + 1] == list(range(last + 1))
         reference_drafts = reference.draft(torch.stack([seen_hidden[p] for p in range(last + 1)])[None],
                                            torch.tensor([[seen_ids[p] for p in range(last + 1)]]), embed, None)[0][0, -1]
-        assert engine_drafts[0].tolist() == reference_drafts.tolist(), f"drafts differ at position {last}"
+        assert engine_drafts == reference_drafts.tolist(), f"drafts differ at position {last}"
         compared += 1
     assert compared >= 10
 

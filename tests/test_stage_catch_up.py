@@ -34,33 +34,37 @@ class Schedule:
         self.step += 1
         return 0 if any(first <= self.step <= last for first, last in args["zero_stretches"]) else args["k"]
 
-stage_forward, draft = model.forward, model.draft
-calls = []
+stage_passes, heads_inputs, chains = [], [], []
+run_stages, heads_forward, chain = drafter._run_stages, model.heads.forward, model.chain
 
-def recorded_forward(input_ids, positions, hidden_states, inputs_embeds=None):
-    out = stage_forward(input_ids, positions, hidden_states, inputs_embeds)
-    calls.append(("stages", int(positions.shape[0])))
-    return out
+def recorded_run_stages(num_tokens, cad, rows_to_draft=None):
+    stage_passes.append(num_tokens)
+    return run_stages(num_tokens, cad, rows_to_draft)
 
-def recorded_draft(stage_outputs, num_tokens, *options):
-    token_ids, confidence = draft(stage_outputs, num_tokens, *options)
-    calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
+def recorded_heads(stage_outputs):  # eager: the heads' forward runs inside the stages' pass
+    heads_inputs.append(stage_outputs.clone())
+    return heads_forward(stage_outputs)
+
+def recorded_chain(heads_out, num_tokens):
+    token_ids, confidence = chain(heads_out, num_tokens)
+    chains.append(token_ids.clone())
     return token_ids, confidence
 
-model.forward, model.draft = recorded_forward, recorded_draft
+drafter._run_stages, model.heads.forward, model.chain = recorded_run_stages, recorded_heads, recorded_chain
 prompts = [{"prompt_token_ids": [12 + (i * 7 + j) % 40 for j in range(6 + 5 * i)] * 2} for i in range(3)]
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (70, 45, 60)]
 runs = {}
 for defer in (True, False):
     drafter.defer_idle_stages = defer
     engine_core.scheduler.dynamic_sd_lookup = Schedule()
-    calls.clear()
+    for recorded in (stage_passes, heads_inputs, chains):
+        recorded.clear()
     outputs = llm.generate(prompts, params)
     assert not drafter.deferred, "finished requests left deferred stage inputs behind"
-    torch.save([call for call in calls if call[0] == "draft"], args["path"] + f"-{defer}.pt")
+    assert len(heads_inputs) == len(chains)
+    torch.save([("draft", *pair) for pair in zip(heads_inputs, chains)], args["path"] + f"-{defer}.pt")
     runs[defer] = {"outputs": [list(o.outputs[0].token_ids) for o in outputs],
-                   "stage_passes": sum(call[0] == "stages" for call in calls),
-                   "stage_rows": [call[1] for call in calls if call[0] == "stages"]}
+                   "stage_passes": len(stage_passes), "stage_rows": list(stage_passes)}
 runs["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
 report(runs)
 """

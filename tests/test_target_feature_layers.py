@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO_ROOT, VLLM_CPU_TEST_ENV, build_random_heads, run_engine, run_llm, tiny_samples, write_jsonl
+from conftest import (RECORD_AMPHISTA_PASSES, REPO_ROOT, VLLM_CPU_TEST_ENV, build_random_heads, drafted_rows, run_engine,
+                      run_llm, tiny_samples, write_jsonl)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -125,24 +126,8 @@ def test_fit_trains_heads_that_read_the_drafted_tokens(draft_token_heads):
 
 
 # In the engine's process: what the stages were fed and what was drafted, step by step.
-RECORD_DRAFTS_BODY = """
-import torch
+RECORD_DRAFTS_BODY = RECORD_AMPHISTA_PASSES + """
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-model = runner.drafter.model
-calls = []
-stage_forward, draft = model.forward, model.draft
-
-def recorded_forward(input_ids, positions, hidden_states, inputs_embeds=None):
-    out = stage_forward(input_ids, positions, hidden_states, inputs_embeds)
-    calls.append(("stages", positions.clone(), out.clone()))
-    return out
-
-def recorded_draft(stage_outputs, num_tokens, *options):
-    token_ids, confidence = draft(stage_outputs, num_tokens, *options)
-    calls.append(("draft", stage_outputs.clone(), token_ids.clone()))
-    return token_ids, confidence
-
-model.forward, model.draft = recorded_forward, recorded_draft
 outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=40))
 torch.save(calls, args["path"])
 report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_hidden_state_outputs})
@@ -178,15 +163,10 @@ def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_di
         features = target_features(model, ids, layers)
         # Row t drafts once x_{t+1} is known: the heads' view of the final sequence.
         reference_drafts = reference.draft(features[:, :-1], ids[:, 1:], embed, embed)[0][0]  # tied lm_head
-    compared, positions = 0, None
-    for call in torch.load(tmp_path / "calls.pt"):
-        if call[0] == "stages":
-            positions, stage_rows = call[1], call[2]
-            continue
-        _, stage_outputs, engine_drafts = call
-        (row,) = [i for i in range(stage_rows.shape[0]) if torch.equal(stage_rows[i], stage_outputs[0])]
+    compared = 0
+    for (_, _, positions, _, _), row, engine_drafts in drafted_rows(torch.load(tmp_path / "calls.pt")):
         last = int(positions[row])
-        assert engine_drafts[0].tolist() == reference_drafts[last].tolist(), f"drafts differ at position {last}"
+        assert engine_drafts == reference_drafts[last].tolist(), f"drafts differ at position {last}"
         compared += 1
     assert compared >= 10
 

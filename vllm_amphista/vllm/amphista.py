@@ -31,8 +31,10 @@ them. The Auto-embedding Block is `modeling_amphista.AutoEmbeddingBlock`
 itself: it works on one position per request and keeps no cache. It loads the
 same `model.safetensors` as `modeling_amphista.AmphistaDrafter`.
 `forward` runs the stages over every scheduled token and returns both stages'
-outputs side by side, `[num_tokens, 2H]`; `draft_token_ids` turns the rows at
-each request's last position into K draft tokens in one pass.
+outputs side by side, `[num_tokens, 2H]`; a drafting step runs the heads at each
+request's last position in the same compiled graph (`forward_and_draft`), or,
+where the stages' pass replays a CUDA graph, in the heads' own (`run_heads`);
+`chain` turns their output into K draft tokens per request.
 
 Steps that draft nothing (K=0, chosen by the load-aware draft length) skip the
 stages: each request keeps the stage inputs of the positions it skipped, and
@@ -53,7 +55,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -219,6 +221,22 @@ class AmphistaHeads(nn.Module):
                            self.with_confidence)
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "hidden_states": 0, "rows_to_draft": 0})
+class AmphistaDraftPass(nn.Module):
+    """The stages over every scheduled token and the heads at the rows to draft from, in one
+    compiled graph: a drafting step that replays no CUDA graph (every step on CPU) pays one graph
+    call and one forward context instead of two (`AmphistaProposer._heads_join_stages`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", stages: AmphistaStages, heads: AmphistaHeads):
+        super().__init__()
+        self.stages = stages
+        self.heads = heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+                rows_to_draft: torch.Tensor):
+        return self.heads(self.stages(input_ids, positions, hidden_states)[rows_to_draft])
+
+
 class AmphistaDrafterForVLLM(nn.Module):
     # Read by vLLM's proposer: it shares the target's embedding, and its
     # lm_head too unless the checkpoint has its own (draft vocabulary).
@@ -239,6 +257,9 @@ class AmphistaDrafterForVLLM(nn.Module):
             # graph ends with it (registered there too; its parameter keeps the name lm_head.weight).
             self.lm_head = own_lm_head = _replicated_linear(vllm_config)(config.hidden_size, config.output_vocab_size)
         self.heads = AmphistaHeads(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "heads"), lm_head=own_lm_head)
+        # Registered after the stages and heads, so their parameters keep the names above.
+        self.draft_pass = AmphistaDraftPass(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "draft_pass"),
+                                            stages=self.model, heads=self.heads)
         # The shared lm_head is the target's, split by vocabulary across tensor-parallel
         # ranks: vLLM's logits processor gathers the slices.
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -264,20 +285,33 @@ class AmphistaDrafterForVLLM(nn.Module):
             return self.lm_head(head_features)
         return self.logits_processor(self.lm_head, head_features)
 
-    def draft(self, stage_outputs: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, 2H] stage outputs at each request's last position -> ([B, num_tokens] draft token ids,
-        [B, num_tokens] each head's probability of its own draft, or None where the heads give none
+    def forward_and_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+                          rows_to_draft: torch.Tensor, inputs_embeds: torch.Tensor | None = None):
+        """`forward`, then the heads at `rows_to_draft` (each request's last position), in one compiled
+        graph -> the heads' output, for `chain`."""
+        if inputs_embeds is not None:
+            raise NotImplementedError("the Amphista drafter takes token ids, not embeddings")
+        # One index dtype: a graph compiled for one reads another's memory wrong (no guards).
+        return self.draft_pass(input_ids, positions, hidden_states, rows_to_draft.long())
+
+    def run_heads(self, stage_outputs: torch.Tensor):
+        """[B, 2H] stage outputs at each request's last position -> the heads' output, for `chain`,
+        in the heads' own graph."""
+        with set_forward_context(None, self.vllm_config, num_tokens=stage_outputs.shape[0]):
+            return self.heads(stage_outputs)
+
+    def chain(self, heads_out, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The heads' output for B requests -> ([B, num_tokens] draft token ids, [B, num_tokens] each
+        head's probability of its own draft, or None where the heads give none
         (`AmphistaHeads.with_confidence`)).
 
-        All K heads run (the encoder is bi-directional among them, as trained);
+        All K heads ran (the encoder is bi-directional among them, as trained);
         the first `num_tokens` heads' greedy tokens form the chain.
         """
-        batch = stage_outputs.shape[0]
-        with set_forward_context(None, self.vllm_config, num_tokens=batch):
-            heads_out = self.heads(stage_outputs)
         if self.has_own_lm_head:
             token_ids, log_confidence = heads_out
         else:
+            batch = heads_out.shape[0]
             logits = self.compute_logits(heads_out.reshape(batch * self.config.num_draft_heads, -1))
             token_ids, log_confidence = greedy_tokens(logits, self.heads.with_confidence)
             token_ids = token_ids.view(batch, -1)
@@ -455,15 +489,16 @@ class AmphistaProposer(EagleProposer):
             self._defer(cad, req_ids, first_positions, backlog)
             empty = target_hidden_states.new_empty(cad.num_reqs, 0)
             return empty.long(), empty.float() if self.with_confidence else None
-        stage_outputs = self._run_stages(num_tokens, cad)
-        last_positions = stage_outputs[token_indices_to_sample]
-        if num_speculative_tokens == 0:  # a prefill chunk or a full backlog: the KV above is written
-            empty = last_positions.new_empty(last_positions.shape[0], 0)
+        if num_speculative_tokens == 0:  # a prefill chunk or a full backlog: the stages write their KV
+            self._run_stages(num_tokens, cad)
+            empty = target_hidden_states.new_empty(cad.num_reqs, 0)
             return empty.long(), empty.float() if self.with_confidence else None
-        return self.model.draft(last_positions, num_speculative_tokens)
+        return self.model.chain(self._run_stages(num_tokens, cad, token_indices_to_sample), num_speculative_tokens)
 
-    def _run_stages(self, num_tokens: int, cad) -> torch.Tensor:
-        """The stages over the first `num_tokens` rows of the input buffers, as `cad` describes them."""
+    def _run_stages(self, num_tokens: int, cad, rows_to_draft: torch.Tensor | None = None):
+        """The stages over the first `num_tokens` rows of the input buffers, as `cad` describes them
+        -> [N, 2H] stage outputs; with `rows_to_draft`, the heads' output at those rows instead (for
+        `chain`), from the stages' own graph unless this pass replays a CUDA graph."""
         _, per_layer_attn_metadata = self.build_per_group_and_layer_attn_metadata(cad)
         cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = self._determine_batch_execution_and_padding(
             num_tokens
@@ -477,7 +512,17 @@ class AmphistaProposer(EagleProposer):
             cudagraph_runtime_mode=cudagraph_runtime_mode,
             slot_mapping=self._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
         ):
-            return self.model(**model_kwargs)
+            if rows_to_draft is not None and self._heads_join_stages(cudagraph_runtime_mode):
+                return self.model.forward_and_draft(**model_kwargs, rows_to_draft=rows_to_draft)
+            stage_outputs = self.model(**model_kwargs)
+        return stage_outputs if rows_to_draft is None else self.model.run_heads(stage_outputs[rows_to_draft])
+
+    @staticmethod
+    def _heads_join_stages(cudagraph_runtime_mode: CUDAGraphMode) -> bool:
+        """Whether a drafting pass runs the heads in the stages' compiled graph: not where it replays
+        a captured CUDA graph, which takes one size (the token count) and not a second (the rows to
+        draft from)."""
+        return cudagraph_runtime_mode == CUDAGraphMode.NONE
 
     def _scheduled_backlog(self, req_ids: list[str], first_positions: list[int]) -> dict[int, DeferredStageRows]:
         """Batch row -> the positions a scheduled request's stages still owe before this step's
@@ -578,9 +623,18 @@ class AmphistaProposer(EagleProposer):
             _token_to_req_indices_cache=None,
         )
 
-    def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
-        super().dummy_run(num_tokens, *args, **kwargs)
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, *args, **kwargs) -> None:
+        super().dummy_run(num_tokens, use_cudagraphs, *args, **kwargs)
         # The heads run on each request's last position only: warm them (and compile them, in a
-        # compiled engine) at start-up too, not at the first request.
+        # compiled engine) at start-up too, not at the first request, as steps of this size run them.
         batch = min(num_tokens, self.max_batch_size)
-        self.model.draft(self.hidden_states.new_zeros(batch, 2 * self.hidden_size), self.num_speculative_tokens)
+        cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = self._determine_batch_execution_and_padding(
+            num_tokens, use_cudagraphs=use_cudagraphs)
+        if not self._heads_join_stages(cudagraph_runtime_mode):
+            self.model.run_heads(self.hidden_states.new_zeros(batch, 2 * self.hidden_size))
+            return
+        with set_forward_context(None, self.vllm_config, num_tokens=num_input_tokens,
+                                 num_tokens_across_dp=num_tokens_across_dp):
+            self.model.forward_and_draft(self.input_ids[:num_input_tokens], self._get_positions(num_input_tokens),
+                                         self.hidden_states[:num_input_tokens],
+                                         torch.arange(batch, device=self.input_ids.device))
