@@ -487,13 +487,17 @@ class AmphistaProposer(EagleProposer):
         )
         if defer:
             self._defer(cad, req_ids, first_positions, backlog)
-            empty = target_hidden_states.new_empty(cad.num_reqs, 0)
-            return empty.long(), empty.float() if self.with_confidence else None
+            return self._no_drafts(cad.num_reqs)
         if num_speculative_tokens == 0:  # a prefill chunk or a full backlog: the stages write their KV
             self._run_stages(num_tokens, cad)
-            empty = target_hidden_states.new_empty(cad.num_reqs, 0)
-            return empty.long(), empty.float() if self.with_confidence else None
+            return self._no_drafts(cad.num_reqs)
         return self.model.chain(self._run_stages(num_tokens, cad, token_indices_to_sample), num_speculative_tokens)
+
+    def _no_drafts(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draft_with_confidence`'s answer on a step that drafts nothing: [B, 0] token ids and
+        confidences (None without `with_confidence`)."""
+        empty = torch.empty(num_reqs, 0, device=self.input_ids.device)
+        return empty.long(), empty if self.with_confidence else None
 
     def _run_stages(self, num_tokens: int, cad, rows_to_draft: torch.Tensor | None = None):
         """The stages over the first `num_tokens` rows of the input buffers, as `cad` describes them
