@@ -410,6 +410,31 @@ def test_draft_vocabulary_is_the_most_frequent_outputs(tiny_llama_dir, dataset_d
     assert saved["lm_head.weight"].shape == (32, 128)
 
 
+def test_fine_tuning_widens_the_draft_vocabulary_keeping_what_the_heads_draft(tiny_llama_dir, dataset_dir, tmp_path):
+    narrow, wide = tmp_path / "narrow", tmp_path / "wide"
+    fit(options(tiny_llama_dir, dataset_dir, narrow, max_steps=2, draft_vocab_size=32))
+    # A learning rate of ~0 keeps the weights: the widened heads must then score the old ids as before.
+    fit(options(tiny_llama_dir, dataset_dir, wide, max_steps=1, lr=1e-12, init_heads=str(narrow), draft_vocab_size=64))
+    before, after = AmphistaDrafter.from_pretrained(narrow), AmphistaDrafter.from_pretrained(wide)
+    assert after.config.draft_vocab_size == 64 and after.lm_head.weight.shape == (64, 128)
+    samples = Dataset([dataset_dir]).samples
+    train_indices, _ = split_indices(len(samples), 0.1, seed=0, max_eval=400)
+    ranked = most_frequent_tokens([samples[i] for i in train_indices], 64, vocab_size=320).tolist()
+    old_ids = before.draft_to_target.tolist()
+    assert after.draft_to_target.tolist() == old_ids + [t for t in ranked if t not in old_ids][:32]
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    lm_head = target.get_output_embeddings().weight
+    assert torch.equal(after.lm_head.weight, lm_head[after.draft_to_target].to(after.lm_head.weight.dtype))
+    hidden, next_ids = torch.randn(1, 6, 128), torch.randint(0, 320, (1, 6))
+    with torch.no_grad():
+        old_logits = before(hidden, next_ids, target.get_input_embeddings(), lm_head)
+        new_logits = after(hidden, next_ids, target.get_input_embeddings(), lm_head)
+    torch.testing.assert_close(new_logits[..., :32], old_logits)
+    with pytest.raises(ValueError, match="only widen"):
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path / "smaller", max_steps=1, init_heads=str(wide),
+                    draft_vocab_size=32))
+
+
 def test_ablation_flags(tiny_llama_dir, dataset_dir, tmp_path):
     fit(options(tiny_llama_dir, dataset_dir, tmp_path, max_steps=1,
                 no_encoder=True, no_stages=True, no_sampled_token=True))

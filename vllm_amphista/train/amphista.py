@@ -66,6 +66,33 @@ class AmphistaMethod(DraftMethod):
         block.draft_token_mlp = DraftTokenMLP(config).to(block.final_norm.weight.dtype)
         block.draft_token_mlp.reset_parameters()
 
+    @torch.no_grad()
+    def widen_draft_vocab(self, ranked_ids: torch.Tensor, target: Target) -> None:
+        """Grow the draft vocabulary to len(ranked_ids) ids: the heads' own ids keep their rows and
+        order, the best-ranked ids they lack follow with the target's lm_head rows (the rows a new
+        drafter starts from). Until then the heads never learned at positions whose token they lack."""
+        drafter, size = self.drafter, len(ranked_ids)
+        current = drafter.draft_to_target
+        if current is None:
+            raise ValueError("these heads draft over the target's whole vocabulary already (draft_vocab_size 0)")
+        if size < len(current):
+            raise ValueError(f"--draft-vocab-size {size} is smaller than the heads' draft vocabulary of "
+                             f"{len(current)}: a fine-tune can only widen it")
+        kept = set(current.tolist())
+        added = torch.tensor([token for token in ranked_ids.tolist() if token not in kept][:size - len(current)],
+                             dtype=torch.int64, device=current.device)
+        if not len(added):
+            return
+        old_head = drafter.lm_head
+        new_head = torch.nn.Linear(old_head.in_features, size, bias=False, device=old_head.weight.device,
+                                   dtype=old_head.weight.dtype)
+        new_head.weight.copy_(torch.cat([old_head.weight, target.lm_head_weight[added].to(old_head.weight)]))
+        new_head.requires_grad_(old_head.weight.requires_grad)
+        drafter.lm_head = new_head
+        drafter.draft_to_target = torch.cat([current, added])
+        drafter.config.draft_vocab_size = size
+        self.vocab = self.loss_vocab = DraftVocab(drafter.draft_to_target, drafter.config.vocab_size)
+
     def vocab_weight(self, target: Target) -> torch.Tensor:
         return self.drafter.vocab_weight(target.lm_head_weight)
 

@@ -51,7 +51,8 @@ FIT_HELP = {
     "objective": "hard: cross-entropy with the target's token; distill: with its top-k distribution",
     "valid_prefix": "head k learns only where heads 1..k-1 draft the target's tokens (the chain a verifier "
                     "accepts; SpecBlock's valid-prefix mask)",
-    "draft_vocab_size": "draft vocabulary: the N most frequent output tokens (0 = the full vocabulary)",
+    "draft_vocab_size": "draft vocabulary: the N most frequent output tokens (0 = the full vocabulary); with "
+                        "--init-heads, widen the heads' vocabulary to N (their ids, then the most frequent others)",
     "mix_data": "dataset directories mixed into the training samples (not the held-out slice): fine-tuning "
                 "keeps a share of the data the heads learned from",
     "mix_fraction": "share of the training samples drawn from --mix-data",

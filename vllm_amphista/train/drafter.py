@@ -73,6 +73,10 @@ class DraftMethod(nn.Module):
             topk_ids = topk_ids.masked_fill(~reachable.unsqueeze(-1), IGNORE_INDEX)
         return distillation_loss(logits, topk_ids, batch.label_topk_logprobs[rows][:, :num_heads], head_weights)
 
+    def widen_draft_vocab(self, ranked_ids: torch.Tensor, target: Target) -> None:
+        """Fine-tuning with a larger draft vocabulary of len(ranked_ids) ids: see AmphistaMethod."""
+        raise ValueError(f"--draft-vocab-size with --init-heads widens Amphista heads only, not {self.name}")
+
     def save(self, directory: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> None:
         raise NotImplementedError
 

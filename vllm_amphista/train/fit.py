@@ -343,6 +343,9 @@ def fit(options: FitOptions) -> FitResult:
                              f"give the same --target-feature-layers")
         if options.draft_token_mlp:
             method.add_draft_token_mlp(options.draft_token_mlp)
+        if options.draft_vocab_size:
+            method.widen_draft_vocab(most_frequent_tokens([dataset.samples[i] for i in train_indices],
+                                                          options.draft_vocab_size, target.vocab_size), target)
     else:
         draft_to_target = None
         if options.draft_vocab_size:
