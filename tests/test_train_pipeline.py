@@ -636,6 +636,26 @@ def test_self_prompts_open_a_user_turn_and_keep_distinct_complete_requests(tiny_
     assert not keep_request("Tell me <|im_start|>assistant about it", finished=True)
 
 
+def test_self_prompts_open_requests_with_a_training_files_first_words_in_proportion(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from vllm_amphista.prompts import chat_prompt_ids
+    from vllm_amphista.train.self_prompts import opener_sequence, opening_words, user_turn_prefix
+
+    prompts = ["Write a poem.", "write: a story", "Describe the sea", "Write it down", "Name three birds!", "  ", "Why?"]
+    # Ranked by how many prompts each opens, spelled as most often written, punctuation stripped.
+    assert opening_words(prompts, 3) == [("Write", 3), ("Describe", 1), ("Name", 1)]
+    sequence = opener_sequence(opening_words(prompts, 3), seed=0)
+    assert sorted(sequence) == ["Describe", "Name", "Write", "Write", "Write"]
+    assert sequence == opener_sequence(opening_words(prompts, 3), seed=0)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    opener, rest = TINY_WORDS[7], " ".join(TINY_WORDS[8:11])
+    opened = user_turn_prefix(tokenizer) + tokenizer(opener, add_special_tokens=False)["input_ids"]
+    # The target continues from what stands before the rest of a real prompt that opens with the word.
+    assert chat_prompt_ids(tokenizer, f"{opener} {rest}")[:len(opened)] == opened
+
+
 def test_self_prompts_drop_answered_listed_and_evaluation_requests(tiny_llama_dir, tmp_path):
     from transformers import AutoTokenizer
 

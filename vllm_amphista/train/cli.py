@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
 
             print(json.dumps(write_self_prompts(args.target, args.out, args.count, args.max_tokens, args.temperature,
                                                 args.top_p, args.min_p, args.dtype, args.seed, args.exclude,
-                                                args.eval_questions)))
+                                                args.eval_questions, args.openers_from, args.num_openers)))
         elif args.command == "adapt":
             from vllm_amphista.train.adapt import run_adapt
 

@@ -8,6 +8,12 @@ in `../shared/data/train`. Nothing comes from Spec-Bench or MT-Bench: a request 
 8-gram (or its whole text) with any of their turns is dropped, and so is one already answered or
 listed in the files given to `--exclude`, so each new seed adds only new requests.
 
+Left alone, the target mostly asks questions about itself ("Can you...", "I'm..."): fewer than one
+request in a thousand is a task such as "Write...", "Create...", "Describe...". With
+`--openers-from` each request starts with a word drawn from a training prompt file's most common
+first words (in proportion to how often each opens a prompt there), and the target writes the rest:
+the task mix of that file, in requests it has not seen.
+
     python -m vllm_amphista.train self-prompts --target models/SmolLM2-135M-Instruct \\
         --count 6000 --exclude data/answers/smollm2-135m-instruct/self --out .cache/data/self_prompts.jsonl
 """
@@ -17,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
+from collections import Counter
 from pathlib import Path
 
 from vllm_amphista.prompts import DataError, load_prompts, read_records
@@ -45,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-questions", nargs="+", default=list(EVAL_QUESTIONS), metavar="PATH",
                         help="evaluation question files (turns); a request sharing a word 8-gram with any turn is "
                              "dropped (default: %(default)s)")
+    parser.add_argument("--openers-from", metavar="PATH",
+                        help="training prompt file (Alpaca JSON, question file, ...): each request opens with one of "
+                             "its most common first words and the target writes the rest")
+    parser.add_argument("--num-openers", type=int, default=40,
+                        help="how many of those first words to draw from (default: %(default)s)")
     parser.add_argument("--dtype", help="engine dtype (default: the one cpu_dtype chooses)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -108,6 +121,26 @@ class RequestFilter:
         return not word_ngrams(text).isdisjoint(self.eval_ngrams)
 
 
+def opening_words(prompts: list[str], count: int) -> list[tuple[str, int]]:
+    """The `count` most common first words of prompts (as most often written), with how many prompts each opens."""
+    spellings: dict[str, Counter] = {}
+    for prompt in prompts:
+        words = prompt.split()
+        if words:
+            first = words[0].strip(",.:;!?\"'")
+            if first:
+                spellings.setdefault(first.lower(), Counter())[first] += 1
+    ranked = sorted(spellings.values(), key=lambda counts: -sum(counts.values()))[:count]
+    return [(counts.most_common(1)[0][0], sum(counts.values())) for counts in ranked]
+
+
+def opener_sequence(openers: list[tuple[str, int]], seed: int) -> list[str]:
+    """Each opener repeated as often as it opens a prompt, shuffled: request i opens with item i mod length."""
+    sequence = [word for word, times in openers for _ in range(times)]
+    random.Random(seed).shuffle(sequence)
+    return sequence
+
+
 def keep_request(text: str, finished: bool) -> bool:
     """A request worth answering: complete (ended by the end of the turn), a few words, no chat markup."""
     words = text.split()
@@ -117,7 +150,8 @@ def keep_request(text: str, finished: bool) -> bool:
 def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_tokens: int = 128,
                        temperature: float = 1.0, top_p: float = 0.95, min_p: float = 0.0, dtype: str | None = None,
                        seed: int = 0, exclude: list[str | os.PathLike] = (),
-                       eval_questions: list[str | os.PathLike] = EVAL_QUESTIONS) -> dict:
+                       eval_questions: list[str | os.PathLike] = EVAL_QUESTIONS,
+                       openers_from: str | os.PathLike | None = None, num_openers: int = 40) -> dict:
     """Sample user requests from `target` until `count` distinct new ones are kept (or eight rounds
     have run); write them as a question file. Returns the counts."""
     # Unset, vLLM-CPU's KV cache takes most of the machine's memory (20 of 23 GiB seen on a 2-core
@@ -132,6 +166,11 @@ def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_toke
     prefix = user_turn_prefix(tokenizer)
     # Read before the engine starts, so a wrong path costs seconds, not a model load.
     request_filter = RequestFilter(tokenizer, list(exclude), list(eval_questions))
+    openers = opening_words(load_prompts(openers_from), num_openers) if openers_from else [("", 1)]
+    if not openers:
+        raise DataError(f"no prompts to take opening words from in {openers_from}")
+    opener_cycle = opener_sequence(openers, seed)
+    opener_ids = {word: tokenizer(word, add_special_tokens=False)["input_ids"] for word, _ in openers}
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     stop_ids = [token for token in {end_of_turn, tokenizer.eos_token_id} if isinstance(token, int) and token >= 0]
     llm = LLM(model=target, dtype=dtype or choose_cpu_dtype().dtype, seed=seed,
@@ -145,11 +184,13 @@ def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_toke
         if len(kept) >= count:
             break
         wanted = int((count - len(kept)) * 1.3) + 16
-        outputs = llm.generate([{"prompt_token_ids": prefix}] * wanted, params, use_tqdm=True)
+        opened = [opener_cycle[(sampled + index) % len(opener_cycle)] for index in range(wanted)]
+        outputs = llm.generate([{"prompt_token_ids": prefix + opener_ids[word]} for word in opened], params,
+                               use_tqdm=True)
         sampled += wanted
-        for output in outputs:
+        for opener, output in zip(opened, outputs):
             completion = output.outputs[0]
-            text = completion.text.strip()
+            text = (opener + completion.text).strip()
             if not keep_request(text, completion.finish_reason == "stop"):
                 continue
             if request_filter.is_known(text):
@@ -165,4 +206,5 @@ def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_toke
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
     return {"sampled": sampled, "kept": len(records), "excluded_requests": request_filter.num_known,
-            "dropped_known": known, "dropped_near_eval": near_eval}
+            "dropped_known": known, "dropped_near_eval": near_eval,
+            "openers": {word: times for word, times in openers if word}}
