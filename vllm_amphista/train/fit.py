@@ -330,6 +330,12 @@ def fit(options: FitOptions) -> FitResult:
         if not state_path.is_file():
             raise FileNotFoundError(f"--resume {options.resume}: no {STATE_NAME} there to continue from")
         state = torch.load(state_path, weights_only=False)
+
+    def ranked_outputs() -> torch.Tensor:
+        """The draft vocabulary's ids: the training samples' most frequent output tokens."""
+        return most_frequent_tokens([dataset.samples[i] for i in train_indices], options.draft_vocab_size,
+                                    target.vocab_size)
+
     if state is not None:
         if state["method"] != options.method:
             raise ValueError(f"{state_path} holds a {state['method']} run, not {options.method}")
@@ -344,13 +350,9 @@ def fit(options: FitOptions) -> FitResult:
         if options.draft_token_mlp:
             method.add_draft_token_mlp(options.draft_token_mlp)
         if options.draft_vocab_size:
-            method.widen_draft_vocab(most_frequent_tokens([dataset.samples[i] for i in train_indices],
-                                                          options.draft_vocab_size, target.vocab_size), target)
+            method.widen_draft_vocab(ranked_outputs(), target)
     else:
-        draft_to_target = None
-        if options.draft_vocab_size:
-            draft_to_target = most_frequent_tokens([dataset.samples[i] for i in train_indices],
-                                                   options.draft_vocab_size, target.vocab_size)
+        draft_to_target = ranked_outputs() if options.draft_vocab_size else None
         method = create_method(options, target, draft_to_target, dataset.samples)
     method.to(options.device).train()
 
