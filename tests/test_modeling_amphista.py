@@ -275,6 +275,35 @@ def test_adding_the_draft_token_mlp_keeps_what_the_heads_draft():
         method.add_draft_token_mlp(64)
 
 
+def test_deepening_keeps_what_the_heads_draft_and_the_new_layers_take_part(tmp_path):
+    """New stage and encoder layers start as identities; saved, they load as a drafter of the new depth."""
+    drafter = randomized(AmphistaDrafter(make_config(draft_vocab_size=len(DRAFT_IDS))))
+    drafter.init_from_target(make_inputs()[3], DRAFT_IDS)
+    hidden, next_ids, embed, _ = make_inputs()
+    with torch.no_grad():
+        before = drafter(hidden, next_ids, embed, None)
+        drafter.deepen(stage_num_layers=2, encoder_num_layers=3)
+        after = drafter(hidden, next_ids, embed, None)
+    assert [len(stage.layers) for stage in drafter.stages] == [2, 2]
+    assert len(drafter.auto_embedding.encoder.layers) == 3
+    assert torch.equal(before, after)
+    drafter.save_pretrained(tmp_path, dtype=torch.float32)
+    loaded = AmphistaDrafter.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert (loaded.config.stage_num_layers, loaded.config.encoder_num_layers) == (2, 3)
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden, next_ids, embed, None), after)
+        for layer in (drafter.stages[1].layers[1].self_attn.o_proj, drafter.auto_embedding.encoder.layers[2].mlp.down_proj):
+            layer.weight.normal_(std=0.1)
+            changed = drafter(hidden, next_ids, embed, None)
+            assert not torch.allclose(changed, after)
+            after = changed
+    with pytest.raises(ValueError, match="only grow"):
+        drafter.deepen(stage_num_layers=1, encoder_num_layers=3)
+    no_encoder = AmphistaDrafter(make_config(use_encoder=False))
+    with pytest.raises(ValueError, match="no Auto-embedding Block encoder"):
+        no_encoder.deepen(stage_num_layers=1, encoder_num_layers=2)
+
+
 def test_default_save_is_bfloat16(tmp_path):
     AmphistaDrafter(make_config(draft_vocab_size=8)).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / WEIGHTS_NAME)

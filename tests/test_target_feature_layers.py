@@ -55,6 +55,14 @@ def layered_heads(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def deep_heads(tiny_llama_dir, tmp_path_factory):
+    """Layered heads with two layers per adaptation stage and two encoder layers (`fit --init-heads
+    --stage-layers 2 --encoder-layers 2` grows heads to this shape)."""
+    return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("deep_heads"), num_draft_heads=3,
+                              target_feature_layers=LAYERS, stage_num_layers=2, encoder_num_layers=2)
+
+
+@pytest.fixture(scope="module")
 def last_layer_heads(tiny_llama_dir, tmp_path_factory):
     """Heads without target_feature_layers: what every heads dir was before the option existed."""
     return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("last_layer_heads"), num_draft_heads=3)
@@ -137,16 +145,19 @@ report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_h
 @pytest.mark.parametrize("kind, enforce_eager", [
     pytest.param("layered", True, id="layered"),
     pytest.param("last-layer", True, id="last-layer"),
+    pytest.param("deep", True, id="deep"),
     pytest.param("draft-tokens", True, id="draft-tokens"),
     # A minute of compiling, for an option no shipped heads use.
     pytest.param("draft-tokens", False, id="draft-tokens-compiled", marks=pytest.mark.slow),
 ])
 def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, last_layer_heads,
-                                                                   draft_token_heads, tmp_path, kind, enforce_eager):
+                                                                   deep_heads, draft_token_heads, tmp_path, kind,
+                                                                   enforce_eager):
     """Heads reading several target layers, heads from before the option (the final norm's
-    output only), and layered heads that read the tokens drafted before them (head by head,
-    eager and compiled), draft in vLLM what the reference drafter drafts."""
-    heads = {"layered": layered_heads, "last-layer": last_layer_heads, "draft-tokens": draft_token_heads[0]}[kind]
+    output only), deeper stages and encoder, and layered heads that read the tokens drafted before
+    them (head by head, eager and compiled), draft in vLLM what the reference drafter drafts."""
+    heads = {"layered": layered_heads, "last-layer": last_layer_heads, "deep": deep_heads,
+             "draft-tokens": draft_token_heads[0]}[kind]
     layers = None if kind == "last-layer" else LAYERS
     prompt = [12, 40, 41, 12, 40, 41, 12, 40, 41, 12, 57]
     run = run_llm(tiny_llama_dir, RECORD_DRAFTS_BODY, {"method": "amphista", "model": str(heads),

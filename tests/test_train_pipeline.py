@@ -435,6 +435,25 @@ def test_fine_tuning_widens_the_draft_vocabulary_keeping_what_the_heads_draft(ti
                     draft_vocab_size=32))
 
 
+def test_fine_tuning_deepens_the_heads_from_the_same_function(tiny_llama_dir, dataset_dir, tmp_path):
+    shallow, deep = tmp_path / "shallow", tmp_path / "deep"
+    fit(options(tiny_llama_dir, dataset_dir, shallow, max_steps=2, draft_vocab_size=32))
+    fit(options(tiny_llama_dir, dataset_dir, deep, max_steps=1, lr=1e-12, init_heads=str(shallow), stage_layers=2,
+                encoder_layers=2))
+    before, after = AmphistaDrafter.from_pretrained(shallow), AmphistaDrafter.from_pretrained(deep)
+    assert (after.config.stage_num_layers, after.config.encoder_num_layers) == (2, 2)
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    hidden, next_ids = torch.randn(1, 6, 128), torch.randint(0, 320, (1, 6))
+    with torch.no_grad():
+        old_logits = before(hidden, next_ids, target.get_input_embeddings(), None)
+        new_logits = after(hidden, next_ids, target.get_input_embeddings(), None)
+    torch.testing.assert_close(new_logits, old_logits)
+    with pytest.raises(ValueError, match="--stage-layers must be >= 1"):
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path / "none", stage_layers=0))
+    with pytest.raises(ValueError, match="amphista only"):
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path / "medusa", method="medusa", encoder_layers=2))
+
+
 def test_ablation_flags(tiny_llama_dir, dataset_dir, tmp_path):
     fit(options(tiny_llama_dir, dataset_dir, tmp_path, max_steps=1,
                 no_encoder=True, no_stages=True, no_sampled_token=True))
@@ -636,11 +655,12 @@ def test_self_prompts_open_a_user_turn_and_keep_distinct_complete_requests(tiny_
     assert not keep_request("Tell me <|im_start|>assistant about it", finished=True)
 
 
-def test_self_prompts_open_requests_with_a_training_files_first_words_in_proportion(tiny_llama_dir):
+def test_self_prompts_open_requests_with_a_training_files_first_words_in_proportion(tiny_llama_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from vllm_amphista.prompts import chat_prompt_ids
-    from vllm_amphista.train.self_prompts import opener_sequence, opening_words, user_turn_prefix
+    from vllm_amphista.train.self_prompts import (opener_sequence, opening_words, user_turn_prefix,
+                                                  write_self_prompts)
 
     prompts = ["Write a poem.", "write: a story", "Describe the sea", "Write it down", "Name three birds!", "  ", "Why?"]
     # Ranked by how many prompts each opens, spelled as most often written, punctuation stripped.
@@ -654,6 +674,9 @@ def test_self_prompts_open_requests_with_a_training_files_first_words_in_proport
     opened = user_turn_prefix(tokenizer) + tokenizer(opener, add_special_tokens=False)["input_ids"]
     # The target continues from what stands before the rest of a real prompt that opens with the word.
     assert chat_prompt_ids(tokenizer, f"{opener} {rest}")[:len(opened)] == opened
+    with pytest.raises(ValueError, match="--num-openers must be >= 1"):
+        write_self_prompts(str(tiny_llama_dir), tmp_path / "requests.jsonl", count=1, openers_from="unread.json",
+                           num_openers=0)
 
 
 def test_self_prompts_drop_answered_listed_and_evaluation_requests(tiny_llama_dir, tmp_path):

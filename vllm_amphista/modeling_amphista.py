@@ -135,6 +135,14 @@ def _init_linear(layer: nn.Linear, zero: bool = False) -> None:
         nn.init.normal_(layer.weight, std=INIT_STD)
 
 
+@torch.no_grad()
+def _init_residual_layer(layer: nn.Module) -> None:
+    """A residual layer that starts as the identity: its output projections zero."""
+    for name, module in layer.named_modules():
+        if isinstance(module, nn.Linear):
+            _init_linear(module, zero=name.endswith(("o_proj", "down_proj")))
+
+
 class HeadEncoderAttention(nn.Module):
     """Multi-head attention across the K heads of each sequence position."""
 
@@ -432,22 +440,55 @@ class AmphistaDrafter(nn.Module):
             self.combine.proj.weight[:, -hidden_size:] = identity  # the last listed layer
         for stage in self.stages or []:
             for layer in stage.layers:
-                for name, module in layer.named_modules():
-                    if isinstance(module, nn.Linear):
-                        _init_linear(module, zero=name.endswith(("o_proj", "down_proj")))
+                _init_residual_layer(layer)
         block = self.auto_embedding
         for projection in (block.near_proj, block.far_proj):
             if projection is not None:
                 projection.weight.copy_(identity.repeat(projection.out_features // hidden_size, 1))
         nn.init.normal_(block.position_embedding, std=INIT_STD)
         if block.encoder is not None:
-            for name, module in block.encoder.named_modules():
-                if isinstance(module, nn.Linear):
-                    _init_linear(module, zero=name.endswith(("o_proj", "down_proj")))
+            for layer in block.encoder.layers:
+                _init_residual_layer(layer)
         if block.draft_token_mlp is not None:
             block.draft_token_mlp.reset_parameters()
         if self.lm_head is not None:
             _init_linear(self.lm_head)
+
+    @torch.no_grad()
+    def deepen(self, stage_num_layers: int, encoder_num_layers: int) -> None:
+        """Grow each adaptation stage and the Auto-embedding Block's encoder to these many layers. The
+        new layers follow the old ones and start as identities, so the deeper drafter starts as this one."""
+        config = self.config
+        if stage_num_layers < config.stage_num_layers or encoder_num_layers < config.encoder_num_layers:
+            raise ValueError(f"a drafter with {config.stage_num_layers} layers per stage and "
+                             f"{config.encoder_num_layers} encoder layers can only grow, not become "
+                             f"{stage_num_layers} and {encoder_num_layers}")
+        if stage_num_layers > config.stage_num_layers and self.stages is None:
+            raise ValueError("this drafter has no adaptation stages to deepen")
+        if encoder_num_layers > config.encoder_num_layers and self.auto_embedding.encoder is None:
+            raise ValueError("this drafter has no Auto-embedding Block encoder to deepen")
+        dtype = self.fuse.weight.dtype
+        device = self.fuse.weight.device
+        config.stage_num_layers, config.encoder_num_layers = stage_num_layers, encoder_num_layers
+        config.validate()
+        if self.stages is not None:
+            llama_config = config.to_llama_config()
+            grown = []
+            for index, old in enumerate(self.stages):
+                # Layer numbers run on through the stages, as a fresh drafter of this depth numbers them.
+                stage = AdaptationStage(llama_config, stage_num_layers, index * stage_num_layers)
+                for layer, old_layer in zip(stage.layers, old.layers):
+                    layer.load_state_dict(old_layer.state_dict())
+                for layer in stage.layers[len(old.layers):]:
+                    _init_residual_layer(layer)
+                grown.append(stage.to(device=device, dtype=dtype))
+            self.stages = nn.ModuleList(grown)
+        encoder = self.auto_embedding.encoder
+        if encoder is not None:
+            while len(encoder.layers) < encoder_num_layers:
+                layer = HeadEncoderLayer(config)
+                _init_residual_layer(layer)
+                encoder.layers.append(layer.to(device=device, dtype=dtype))
 
     @torch.no_grad()
     def init_from_target(

@@ -54,6 +54,11 @@ class AmphistaMethod(DraftMethod):
         # Head k reads x_{t+1+k}, what head k-1 drafts wherever a chain verifier reads head k.
         return self.drafter.read_true_drafts(heads, batch.next_token_ids, target.embed_weight, batch.segment_ids, rows)
 
+    def deepen(self, stage_layers: int | None, encoder_layers: int | None) -> None:
+        """Grow the stages / encoder to these depths (None: as they are), starting from the same function."""
+        config = self.drafter.config
+        self.drafter.deepen(stage_layers or config.stage_num_layers, encoder_layers or config.encoder_num_layers)
+
     def add_draft_token_mlp(self, size: int) -> None:
         """Let heads that read no drafted tokens read them, starting from the same function."""
         config = self.drafter.config

@@ -36,8 +36,10 @@ FIT_HELP = {
     "method": "drafter to train",
     "num_heads": "K: heads (Amphista, Medusa), chained steps evaluated (EAGLE) or block drafts (DFlash)",
     "num_near_heads": "Amphista: heads reading stage 1, the rest read stage 2 (None = K//2)",
-    "stage_layers": "Amphista: decoder layers per adaptation stage",
-    "encoder_layers": "Amphista: Auto-embedding Block encoder layers",
+    "stage_layers": "Amphista: decoder layers per adaptation stage (default 1); with --init-heads, deepen each "
+                    "stage to N (the new layers start as identities)",
+    "encoder_layers": "Amphista: Auto-embedding Block encoder layers (default 1); with --init-heads, deepen "
+                      "the encoder to N",
     "no_encoder": "Amphista ablation: no bi-directional encoder (independent heads)",
     "no_stages": "Amphista ablation: no staged adaptation layers",
     "no_sampled_token": "Amphista ablation: do not fuse the sampled token's embedding",

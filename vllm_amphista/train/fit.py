@@ -69,8 +69,8 @@ class FitOptions:
     num_heads: int = 4
     # Amphista architecture
     num_near_heads: int | None = None
-    stage_layers: int = 1
-    encoder_layers: int = 1
+    stage_layers: int | None = None  # None: 1, or the --init-heads' depth
+    encoder_layers: int | None = None
     no_encoder: bool = False
     no_stages: bool = False
     no_sampled_token: bool = False
@@ -122,14 +122,17 @@ class FitOptions:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"--objective must be one of {OBJECTIVES}, got {self.objective!r}")
         amphista_only = (self.no_encoder or self.no_stages or self.no_sampled_token or self.train_lm_head
-                         or self.draft_token_mlp)
+                         or self.draft_token_mlp or self.stage_layers or self.encoder_layers)
         if amphista_only and self.method != "amphista":
-            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head/--draft-token-mlp apply "
-                             "to --method amphista only")
+            raise ValueError("--no-encoder/--no-stages/--no-sampled-token/--train-lm-head/--draft-token-mlp/"
+                             "--stage-layers/--encoder-layers apply to --method amphista only")
         if self.target_feature_layers and self.method not in ("amphista", "dflash"):
             raise ValueError("--target-feature-layers applies to --method amphista and dflash only")
         if self.method == "dflash" and not self.target_feature_layers:
             raise ValueError("--method dflash reads several target layers: give --target-feature-layers")
+        for flag, layers in (("--stage-layers", self.stage_layers), ("--encoder-layers", self.encoder_layers)):
+            if layers is not None and layers < 1:
+                raise ValueError(f"{flag} must be >= 1, got {layers}")
         if self.num_heads < 1:
             raise ValueError(f"--num-heads must be >= 1, got {self.num_heads}")
         if not 0.0 <= self.mix_fraction < 1.0:
@@ -177,8 +180,8 @@ def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | N
         target, draft_to_target,
         num_draft_heads=options.num_heads,
         num_near_heads=options.num_near_heads,
-        stage_num_layers=options.stage_layers,
-        encoder_num_layers=options.encoder_layers,
+        stage_num_layers=options.stage_layers or 1,
+        encoder_num_layers=options.encoder_layers or 1,
         use_encoder=not options.no_encoder,
         use_stages=not options.no_stages,
         use_sampled_token=not options.no_sampled_token,
@@ -347,6 +350,8 @@ def fit(options: FitOptions) -> FitResult:
         if method.feature_layers != options.target_feature_layers:
             raise ValueError(f"--init-heads {options.init_heads} reads target layers {method.feature_layers}: "
                              f"give the same --target-feature-layers")
+        if options.stage_layers or options.encoder_layers:
+            method.deepen(options.stage_layers, options.encoder_layers)
         if options.draft_token_mlp:
             method.add_draft_token_mlp(options.draft_token_mlp)
         if options.draft_vocab_size:

