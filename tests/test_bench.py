@@ -58,11 +58,11 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
 
 def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_dir, tmp_path):
     """`bench.steps --draft-length off`: speculation configured, K=0 at every step (tau exactly 1),
-    and the drafter's weight-read floor printed for Amphista."""
+    and the drafter's weight-read floor printed for Amphista; requests batched two at a time."""
     command = [
         sys.executable, "-m", "vllm_amphista.bench.steps", "--target", str(tiny_llama_dir),
         "--heads", str(random_heads_dir), "--methods", "vanilla,anpd,amphista", "--engines", "eager",
-        "--draft-length", "off", "--repeats", "1", "--max-tokens", "8", "--dtype", "float32",
+        "--draft-length", "off", "--repeats", "1", "--max-tokens", "8", "--dtype", "float32", "--concurrency", "2",
         "--max-model-len", "256", "--categories", ",".join(CATEGORIES),
         "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")),
     ]
@@ -74,6 +74,9 @@ def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_di
     assert set(rows) == {"vanilla", "anpd", "amphista"}
     for cells in rows.values():
         assert cells[-2] == "1.00"  # tau: nothing was ever drafted
+        # One at a time, the prompts would take 7 decode steps each (the first token comes from the prefill).
+        assert int(cells[-1]) < 7 * len(CATEGORIES)
+    assert "concurrency 2," in completed.stdout
     assert rows["amphista"][-4] != "-" and rows["amphista"][-3].endswith("x")  # drafter floor and ratio
     assert rows["anpd"][-4] == "-"
     assert "drafter floor: weights read per drafting step against the target's (amphista " in completed.stdout

@@ -5,8 +5,9 @@
 
 Each engine runs in its own process with an in-process engine core (the timers
 must reach the model runner; the benchmark runs vLLM's default separate core),
-is warmed up, then answers the prompts one at a time (concurrency 1) while
-timers wrapped around the model runner's parts record every engine step:
+is warmed up, then answers the prompts (one at a time by default; `--concurrency N`
+batches up to N) while timers wrapped around the model runner's parts record every
+engine step:
 
 - target forward: the target model's forward and its logits;
 - drafter: the proposer's `propose` (Amphista: stage layers and heads; ANPD:
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="question categories to ask (default: %(default)s)")
     parser.add_argument("--per-category", type=positive_int, default=1, metavar="N")
     parser.add_argument("--max-tokens", type=positive_int, default=96)
+    parser.add_argument("--concurrency", type=positive_int, default=1,
+                        help="requests decoded at a time (vLLM's max_num_seqs; give at least as many prompts)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed runs per engine, interleaved across engines; the median is shown")
     parser.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4)
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             engines[method, engine] = EngineProcess(
                 dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
                      heads_dir=drafter_dir(args, method), dtype=args.dtype,
-                     max_model_len=args.max_model_len, concurrency=1, enforce_eager=engine == "eager",
+                     max_model_len=args.max_model_len, concurrency=args.concurrency, enforce_eager=engine == "eager",
                      draft_length=args.draft_length if method in PLUGIN_METHODS or args.draft_length == "off"
                      else None),
                 prompts[0], time_steps=True, engine_core="in-process")
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                      "-" if floor is None else f"{ms['drafter'] / floor:.2f}x",
                      f"{tau:.2f}", str(runs[method, engine][0].step_times.steps)])
     print(f"ms per decode step (median of {args.repeats} runs; {len(prompts)} prompts, {args.max_tokens} tokens, "
-          f"concurrency 1, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for the plugin's "
+          f"concurrency {args.concurrency}, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for the plugin's "
           f"methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
     shares = ", ".join(f"{method} {100 * share:.1f}%" for method, share in drafter_share.items())
     print(f"drafter floor: weights read per drafting step against the target's ({shares}) times the plain step "
