@@ -292,7 +292,9 @@ def test_deepening_keeps_what_the_heads_draft_and_the_new_layers_take_part(tmp_p
     assert (loaded.config.stage_num_layers, loaded.config.encoder_num_layers) == (2, 3)
     with torch.no_grad():
         assert torch.equal(loaded(hidden, next_ids, embed, None), after)
-        for layer in (drafter.stages[1].layers[1].self_attn.o_proj, drafter.auto_embedding.encoder.layers[2].mlp.down_proj):
+        new_layers = (drafter.stages[1].layers[1].self_attn.o_proj,
+                      drafter.auto_embedding.encoder.layers[2].mlp.down_proj)
+        for layer in new_layers:
             layer.weight.normal_(std=0.1)
             changed = drafter(hidden, next_ids, embed, None)
             assert not torch.allclose(changed, after)

@@ -470,7 +470,6 @@ class AmphistaDrafter(nn.Module):
         dtype = self.fuse.weight.dtype
         device = self.fuse.weight.device
         config.stage_num_layers, config.encoder_num_layers = stage_num_layers, encoder_num_layers
-        config.validate()
         if self.stages is not None:
             llama_config = config.to_llama_config()
             grown = []

@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
                      "-" if floor is None else f"{ms['drafter'] / floor:.2f}x",
                      f"{tau:.2f}", str(runs[method, engine][0].step_times.steps)])
     print(f"ms per decode step (median of {args.repeats} runs; {len(prompts)} prompts, {args.max_tokens} tokens, "
-          f"concurrency {args.concurrency}, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for the plugin's "
-          f"methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
+          f"concurrency {args.concurrency}, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for "
+          f"the plugin's methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
     shares = ", ".join(f"{method} {100 * share:.1f}%" for method, share in drafter_share.items())
     print(f"drafter floor: weights read per drafting step against the target's ({shares}) times the plain step "
           "(same engine, same run)\n")
