@@ -26,6 +26,10 @@ it. Weights read per step: the drafter dir's weights, plus the target's lm_head
 where the drafter shares it (no lm_head in its dir), once per drafter pass:
 one pass for Amphista, Medusa and DFlash, K chained passes for EAGLE.
 
+"decode s" is the time all decode steps took, and "speedup" plain's over the
+method's (greedy: the same tokens). One request at a time that is tau over the
+step's cost; with requests batched it is not, as the steps mix batch sizes.
+
 Only decode steps count (a step that admits a new request is its prefill).
 The timers read wall-clock time around Python calls, so what runs inside a
 part (compiled code included) is attributed to it; they add a few
@@ -119,19 +123,22 @@ def main(argv: list[str] | None = None) -> None:
     body = []
     plain = {engine: _median_ms(runs["vanilla", engine])["total"] for engine in args.engines
              if ("vanilla", engine) in runs}
+    plain_decode = {engine: _median_decode_seconds(runs["vanilla", engine]) for engine in plain}
     target_weights = weight_count(args.target)
     drafter_share = {method: drafter_weights_per_step(args, method) / target_weights for method in args.methods
                      if method != "anpd" and drafter_dir(args, method) is not None}  # ANPD reads no weights
     for method, engine in rows:
         ms = _median_ms(runs[method, engine])
         tau = statistics.median(result.tau for result in runs[method, engine])
+        decode = _median_decode_seconds(runs[method, engine])
         cost = f"{ms['total'] / plain[engine]:.2f}x" if engine in plain else "-"
         floor = drafter_share[method] * plain[engine] if engine in plain and method in drafter_share else None
         body.append([method, engine, f"{ms['total']:.2f}", cost, *(f"{ms[part]:.2f}" for part in PARTS),
                      f"{ms['drafter'] + ms['drafter glue']:.2f}",
                      "-" if floor is None else f"{floor:.2f}",
                      "-" if floor is None else f"{ms['drafter'] / floor:.2f}x",
-                     f"{tau:.2f}", str(runs[method, engine][0].step_times.steps)])
+                     f"{tau:.2f}", str(runs[method, engine][0].step_times.steps), f"{decode:.2f}",
+                     f"{plain_decode[engine] / decode:.2f}x" if engine in plain else "-"])
     print(f"ms per decode step (median of {args.repeats} runs; {len(prompts)} prompts, {args.max_tokens} tokens, "
           f"concurrency {args.concurrency}, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for "
           f"the plugin's methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"drafter floor: weights read per drafting step against the target's ({shares}) times the plain step "
           "(same engine, same run)\n")
     print(markdown_table(["method", "engine", "step", "vs plain", *PARTS, "drafter + glue", "drafter floor",
-                          "drafter / floor", "tau", "steps"], body))
+                          "drafter / floor", "tau", "steps", "decode s", "speedup"], body))
 
 
 def drafter_weights_per_step(args, method: str) -> int:
@@ -172,6 +179,14 @@ def weight_shapes(model_dir: str) -> dict[str, list[int]]:
 def weight_count(model_dir: str) -> int:
     """Floating-point weights in a model dir's safetensors files (tied weights are stored once)."""
     return sum(math.prod(shape) for shape in weight_shapes(model_dir).values())
+
+
+def _median_decode_seconds(results) -> float:
+    """Seconds spent in decode steps, median over runs: with requests batched, the steps of a
+    method and of plain decoding mix batch sizes differently (drafting shortens the lone tail of
+    the last requests more than the batched steps), so their ratio, not tau over the step cost,
+    is the speedup."""
+    return statistics.median(sum(result.step_times.seconds.values()) for result in results)
 
 
 def _median_ms(results) -> dict[str, float]:
