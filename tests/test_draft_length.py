@@ -93,3 +93,15 @@ def test_a_calibrated_controller_decides_from_the_first_step():
     compute_bound = AdaptiveDraftLength(max_k=4, explore_every=0)
     compute_bound.cost.calibrate({n: 0.010 * n for n in range(1, 6)})  # emulated bf16: K+1 tokens cost K+1 steps
     assert compute_bound.best(1) == 0
+
+
+def test_summary_counts_the_choices_since_the_last_one():
+    controller = AdaptiveDraftLength(max_k=4, explore_every=0)
+    controller.cost.calibrate({n: 0.010 * n for n in range(1, 6)})  # drafts never pay: K=0
+    for _ in range(3):
+        controller[2]
+    controller[1]
+    summary = controller.summary()
+    assert "batch 1: K=0 x1; batch 2: K=0 x3" in summary
+    assert "acceptance by position [0.50, 0.50, 0.50, 0.50]" in summary and "1: 10.0" in summary
+    assert "draft length chosen (none)" in controller.summary()

@@ -34,6 +34,7 @@ Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 
 
 class StepCost:
@@ -145,6 +146,7 @@ class AdaptiveDraftLength:
         self.cost = StepCost()
         self.acceptance = DraftAcceptance(max_k)
         self._choices = 0
+        self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
         # The K in force when the drafts now being verified were proposed, and the K after it.
         self._asked_before = max_k
         self._asked_last = max_k
@@ -181,7 +183,22 @@ class AdaptiveDraftLength:
             step = 1 if (self._choices // self.explore_every) % 2 else -1
             k = min(self.max_k, max(0, k + step))
         self._asked_before, self._asked_last = self._asked_last, k
+        self._recent_choices[batch_size, k] += 1
         return k
+
+    def summary(self) -> str:
+        """One line for a log: the K chosen at each batch size since the last summary (the counts
+        then restart), acceptance by draft position, and the learned step times."""
+        by_batch: dict[int, dict[int, int]] = {}
+        for (batch_size, k), count in sorted(self._recent_choices.items()):
+            by_batch.setdefault(batch_size, {})[k] = count
+        self._recent_choices.clear()
+        choices = "; ".join(f"batch {batch_size}: " + ", ".join(f"K={k} x{count}" for k, count in counts.items())
+                            for batch_size, counts in by_batch.items()) or "none"
+        acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance.acceptance_by_position())
+        steps = ", ".join(f"{size}: {1000 * self.cost.predict(size):.1f}" for size in self.cost.sizes) or "none timed"
+        return (f"draft length chosen ({choices}); acceptance by position [{acceptance}]; "
+                f"ms per step by tokens verified {{{steps}}}")
 
     def observe_step(self, requests: list[tuple[int, int, int]], seconds: float | None) -> None:
         """A finished step: per request (tokens scheduled, draft tokens scheduled, draft tokens

@@ -86,7 +86,8 @@ The patches:
    decoding; `Scheduler.__init__` then replaces vLLM's per-batch-size lookup
    table with `draft_length.AdaptiveDraftLength` (read the same way,
    `lookup[batch_size]`), and `Scheduler.schedule` / `update_from_output` feed
-   it each decode step's wall time and accepted tokens. A user's own
+   it each decode step's wall time and accepted tokens (with VLLM_LOGGING_LEVEL=DEBUG,
+   a line every 10 s says which K it chose at which batch size). A user's own
    `num_speculative_tokens_per_batch_size` is left to vLLM.
 12. `EngineCore.__init__`, once the engine is built (KV cache, warm-up,
    scheduler): for the load-aware draft length, times the worker's own dummy
@@ -628,10 +629,14 @@ def _admit_plugin_methods_to_async_scheduling() -> None:
 
 
 def _load_aware_draft_length() -> None:
+    import logging
     import time
 
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.logger import init_logger
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    logger = init_logger("vllm.vllm_amphista")
 
     _expect_params(EngineArgs.create_speculative_config, ["self", "target_model_config"],
                    "EngineArgs.create_speculative_config")
@@ -659,6 +664,7 @@ def _load_aware_draft_length() -> None:
             if spec is not None and draft_length_mode(spec) == "adaptive":
                 self.dynamic_sd_lookup = AdaptiveDraftLength(self.num_spec_tokens)
                 self._amphista_step_started = {}
+                self._amphista_last_summary = time.monotonic()
 
         return __init__
 
@@ -677,6 +683,10 @@ def _load_aware_draft_length() -> None:
             if isinstance(controller, AdaptiveDraftLength):
                 started = self._amphista_step_started.pop(id(scheduler_output), None)
                 _observe_step(controller, scheduler_output, model_runner_output, started)
+                # VLLM_LOGGING_LEVEL=DEBUG: what the controller chose, and from what, every 10 s.
+                if logger.isEnabledFor(logging.DEBUG) and time.monotonic() - self._amphista_last_summary >= 10.0:
+                    self._amphista_last_summary = time.monotonic()
+                    logger.debug("load-aware %s", controller.summary())
             return original(self, scheduler_output, model_runner_output)
 
         return update_from_output
