@@ -408,6 +408,10 @@ def test_draft_vocabulary_is_the_most_frequent_outputs(tiny_llama_dir, dataset_d
     saved = load_file(tmp_path / "model.safetensors")
     assert torch.equal(saved["draft_to_target"], expected)
     assert saved["lm_head.weight"].shape == (32, 128)
+    with pytest.raises(ValueError, match=r"--draft-vocab-size must be in \[1, 320\]"):
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path / "too-wide", max_steps=2, draft_vocab_size=321))
+    with pytest.raises(ValueError, match="--draft-vocab-size must be >= 0"):
+        fit(options(tiny_llama_dir, dataset_dir, tmp_path / "negative", max_steps=2, draft_vocab_size=-1))
 
 
 def test_fine_tuning_widens_the_draft_vocabulary_keeping_what_the_heads_draft(tiny_llama_dir, dataset_dir, tmp_path):

@@ -345,6 +345,9 @@ def most_frequent_tokens(samples: list[Sample], draft_vocab_size: int, vocab_siz
     """The draft vocabulary: the `draft_vocab_size` most frequent ids of the
     target's outputs (the tokens the drafter must predict), ties broken by id,
     topped up with the lowest unused ids if the outputs have fewer distinct ids."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"--draft-vocab-size must be in [1, {vocab_size}] (the target's vocabulary; 0 drafts "
+                         f"over all of it), got {draft_vocab_size}")
     counts = Counter(token for sample in samples for token in sample.output_ids)
     ranked = sorted(counts, key=lambda token: (-counts[token], token))[:draft_vocab_size]
     if len(ranked) < draft_vocab_size:

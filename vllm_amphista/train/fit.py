@@ -133,6 +133,9 @@ class FitOptions:
         for flag, layers in (("--stage-layers", self.stage_layers), ("--encoder-layers", self.encoder_layers)):
             if layers is not None and layers < 1:
                 raise ValueError(f"{flag} must be >= 1, got {layers}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"--draft-vocab-size must be >= 0 (0: the target's whole vocabulary), "
+                             f"got {self.draft_vocab_size}")
         if self.num_heads < 1:
             raise ValueError(f"--num-heads must be >= 1, got {self.num_heads}")
         if not 0.0 <= self.mix_fraction < 1.0:
