@@ -182,10 +182,7 @@ def weight_count(model_dir: str) -> int:
 
 
 def _median_decode_seconds(results) -> float:
-    """Seconds spent in decode steps, median over runs: with requests batched, the steps of a
-    method and of plain decoding mix batch sizes differently (drafting shortens the lone tail of
-    the last requests more than the batched steps), so their ratio, not tau over the step cost,
-    is the speedup."""
+    """Seconds all decode steps took, median over runs (the "decode s" column)."""
     return statistics.median(sum(result.step_times.seconds.values()) for result in results)
 
 

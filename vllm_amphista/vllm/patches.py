@@ -628,15 +628,21 @@ def _admit_plugin_methods_to_async_scheduling() -> None:
         vllm_config_module.EagleModelTypes = typing.Literal[(eagle_types, *missing)]
 
 
+def _logger():
+    """The plugin's logger, under vLLM's: its level follows VLLM_LOGGING_LEVEL."""
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.vllm_amphista")
+
+
 def _load_aware_draft_length() -> None:
     import logging
     import time
 
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.logger import init_logger
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    logger = init_logger("vllm.vllm_amphista")
+    logger = _logger()
 
     _expect_params(EngineArgs.create_speculative_config, ["self", "target_model_config"],
                    "EngineArgs.create_speculative_config")
@@ -780,9 +786,7 @@ def _prepare_engine_for_plugin_methods() -> None:
                     # Every rank times the same steps; the driver's answer is enough.
                     controller.cost.calibrate(self.collective_rpc(_time_dummy_steps, args=(sizes,))[0])
                 except Exception as error:  # a slower start for the controller, not a failed engine
-                    from vllm.logger import init_logger
-
-                    init_logger("vllm.vllm_amphista").warning(
+                    _logger().warning(
                         "could not time the draft-length controller's start-up steps (%s: %s); it starts "
                         "uncalibrated and learns the step cost from the first requests", type(error).__name__, error)
 
@@ -792,7 +796,6 @@ def _prepare_engine_for_plugin_methods() -> None:
 
 
 def _warn_if_dtype_is_emulated(method: str, dtype) -> None:
-    from vllm.logger import init_logger
     from vllm.platforms import current_platform
 
     from vllm_amphista.cpu_dtype import emulated_bf16_warning
@@ -801,7 +804,7 @@ def _warn_if_dtype_is_emulated(method: str, dtype) -> None:
         return
     warning = emulated_bf16_warning(method, str(dtype).removeprefix("torch."))
     if warning is not None:
-        init_logger("vllm.vllm_amphista").warning(warning)
+        _logger().warning(warning)
 
 
 def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> dict[int, float]:
