@@ -82,7 +82,8 @@ def test_drafter_maths_imports_no_vllm():
 
 
 # Patch 9: the greedy fast path against vLLM's own rejection sampler, on random batches with draft
-# lengths 0..4 (some drafts copied from the argmax, so acceptance runs deep) and tied logits.
+# lengths 0..4 (some drafts copied from the argmax, so acceptance runs deep), batches where no
+# request drafted, and tied logits.
 GREEDY_FAST_PATH_PROBE = """
 import json
 import torch
@@ -103,11 +104,11 @@ if __name__ == "__main__":
     sample_bonus = sampler.sampler.forward
     sampler.sampler.forward = lambda *args, **kwargs: bonus_samplings.append(1) or sample_bonus(*args, **kwargs)
     generator = torch.Generator().manual_seed(0)
-    mismatches, batches, accepted, slow = 0, 0, 0, 0
+    mismatches, batches, accepted, slow, undrafted = 0, 0, 0, 0, 0
     for dtype in (torch.float32, torch.bfloat16):
         for trial in range(40):
             batch, vocab = int(torch.randint(1, 6, (1,), generator=generator)), 97
-            lengths = torch.randint(0, 5, (batch,), generator=generator).tolist()
+            lengths = torch.randint(0, 5, (batch,), generator=generator).tolist() if trial % 5 else [0] * batch
             logits = torch.randn(sum(lengths) + batch, vocab, generator=generator).to(dtype)
             logits[:, 5] = logits.max(dim=-1).values  # ties with the maximum
             argmax = logits.argmax(dim=-1)
@@ -134,13 +135,15 @@ if __name__ == "__main__":
             bonus_samplings.clear()
             accepted += int((fast >= 0).sum()) - batch
             batches += 1
-    print("REPORT=" + json.dumps({"mismatches": mismatches, "batches": batches, "accepted": accepted, "slow": slow}))
+            undrafted += int(not any(lengths))
+    print("REPORT=" + json.dumps({"mismatches": mismatches, "batches": batches, "accepted": accepted, "slow": slow,
+                                     "undrafted": undrafted}))
 """
 
 
 def test_greedy_fast_path_equals_vllms_rejection_sampler():
     report = report_of(run_python(GREEDY_FAST_PATH_PROBE, timeout=300))
-    assert report["batches"] == 80 and report["accepted"] > 100
+    assert report["batches"] == 80 and report["accepted"] > 100 and report["undrafted"] >= 16
     assert report["slow"] == 0  # every batch took the fast path
     assert report["mismatches"] == 0
 

@@ -76,7 +76,7 @@ MIN_DRAFT_CONFIDENCE = 0.1
 
 # How many positions a request's stages may fall behind on steps that draft nothing before they
 # catch up anyway: bounds the catch-up pass and the stored inputs.
-MAX_DEFERRED_POSITIONS = 16
+MAX_DEFERRED_POSITIONS = 32
 
 # Checkpoint (HF) projection names -> vLLM's fused parameter and shard.
 _STACKED_PARAMS = (
@@ -377,25 +377,42 @@ class AmphistaDrafterForVLLM(nn.Module):
         return loaded | {n for n in params if n.startswith("model.embed_tokens")}
 
 
-@dataclasses.dataclass
 class DeferredStageRows:
-    """A request's stage inputs for consecutive positions the stages have not run yet."""
+    """A request's stage inputs for consecutive positions the stages have not run yet, in buffers
+    sized for a full backlog so that a step appends its rows in place."""
 
-    first_position: int
-    token_ids: torch.Tensor  # [m] the token sampled after each position
-    hidden_states: torch.Tensor  # [m, H] or [m, n*H]: the target's features at each position
+    def __init__(self, first_position: int, capacity: int, input_ids: torch.Tensor, hidden_states: torch.Tensor):
+        """Empty, for `capacity` rows like those of the proposer's `input_ids` and `hidden_states`."""
+        self.first_position = first_position
+        self.count = 0
+        self._token_ids = input_ids.new_empty(capacity)
+        self._hidden_states = hidden_states.new_empty(capacity, hidden_states.shape[-1])
+
+    @property
+    def token_ids(self) -> torch.Tensor:  # [m] the token sampled after each position
+        return self._token_ids[:self.count]
+
+    @property
+    def hidden_states(self) -> torch.Tensor:  # [m, H] or [m, n*H]: the target's features at each position
+        return self._hidden_states[:self.count]
 
     @property
     def end_position(self) -> int:
-        return self.first_position + self.token_ids.shape[0]
+        return self.first_position + self.count
 
-    def before(self, position: int) -> DeferredStageRows | None:
-        """The rows before `position`, where this step's rows begin (rows at or past it were
-        rejected drafts, or come again); None if none are left or the rows do not lead up to it."""
+    def append(self, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        end = self.count + token_ids.shape[0]
+        self._token_ids[self.count:end] = token_ids
+        self._hidden_states[self.count:end] = hidden_states
+        self.count = end
+
+    def keep_before(self, position: int) -> bool:
+        """Keep the rows before `position`, where this step's rows begin (rows at or past it were
+        rejected drafts, or come again); False if none are left or the rows do not lead up to it."""
         if not self.first_position < position <= self.end_position:
-            return None
-        keep = position - self.first_position
-        return DeferredStageRows(self.first_position, self.token_ids[:keep], self.hidden_states[:keep])
+            return False
+        self.count = position - self.first_position
+        return True
 
 
 class AmphistaProposer(EagleProposer):
@@ -470,10 +487,8 @@ class AmphistaProposer(EagleProposer):
         if defer or self.deferred:
             first_positions = target_positions[cad.query_start_loc_cpu[:-1]].tolist()
             backlog = self._scheduled_backlog(req_ids, first_positions)
-            defer = defer and self._backlog_can_grow(cad, backlog)
             if backlog and not defer:  # this step's rows attend to those positions: run them first
                 self._catch_up(cad, req_ids, backlog)
-                backlog = {}
         # The first pass of SpecDecodeBaseProposer.propose: the stages see every
         # scheduled token and write their KV.
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
@@ -486,9 +501,11 @@ class AmphistaProposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
         if defer:
-            self._defer(cad, req_ids, first_positions, backlog)
+            backlog = self._defer(cad, req_ids, first_positions, backlog)
+            if self._backlog_full(backlog):  # one pass over every owed position, this step's included
+                self._catch_up(cad, req_ids, backlog)
             return self._no_drafts(cad.num_reqs)
-        if num_speculative_tokens == 0:  # a prefill chunk or a full backlog: the stages write their KV
+        if num_speculative_tokens == 0:  # a prefill chunk: the stages write their KV
             self._run_stages(num_tokens, cad)
             return self._no_drafts(cad.num_reqs)
         return self.model.chain(self._run_stages(num_tokens, cad, token_indices_to_sample), num_speculative_tokens)
@@ -533,39 +550,39 @@ class AmphistaProposer(EagleProposer):
         rows; backlogs that no longer lead up to them (rejected drafts, preemption) are trimmed."""
         backlog = {}
         for row, (req_id, position) in enumerate(zip(req_ids, first_positions)):
-            earlier = self.deferred.pop(req_id, None)
-            pending = earlier.before(position) if earlier is not None else None
-            if pending is not None:
-                backlog[row] = self.deferred[req_id] = pending
+            owed = self.deferred.get(req_id)
+            if owed is None:
+                continue
+            if owed.keep_before(position):
+                backlog[row] = owed
+            else:
+                del self.deferred[req_id]
         return backlog
 
-    def _backlog_can_grow(self, cad, backlog: dict[int, DeferredStageRows]) -> bool:
-        """Whether deferring this step keeps every backlog within its bound, and all of them within
-        one catch-up pass."""
-        starts = cad.query_start_loc_cpu.tolist()
-        total = 0
-        for row in range(cad.num_reqs):
-            owed = starts[row + 1] - starts[row] + (len(backlog[row].token_ids) if row in backlog else 0)
-            if owed > MAX_DEFERRED_POSITIONS:
-                return False
-            total += owed
-        return total <= self.max_num_tokens
-
     def _defer(self, cad, req_ids: list[str], first_positions: list[int],
-               backlog: dict[int, DeferredStageRows]) -> None:
-        """Append this step's stage inputs (in the input buffers) to each request's backlog."""
+               backlog: dict[int, DeferredStageRows]) -> dict[int, DeferredStageRows]:
+        """Append this step's stage inputs (in the input buffers) to each request's backlog ->
+        batch row -> its backlog."""
         starts = cad.query_start_loc_cpu.tolist()
+        # A backlog below its bound, plus one step's rows.
+        capacity = MAX_DEFERRED_POSITIONS + self.speculative_config.num_speculative_tokens
         for row, req_id in enumerate(req_ids):
             start, end = starts[row], starts[row + 1]
             if start == end:
                 continue
-            rows = DeferredStageRows(first_positions[row], self.input_ids[start:end].clone(),
-                                     self.hidden_states[start:end].clone())
-            earlier = backlog.get(row)
-            if earlier is not None:
-                rows = DeferredStageRows(earlier.first_position, torch.cat([earlier.token_ids, rows.token_ids]),
-                                         torch.cat([earlier.hidden_states, rows.hidden_states]))
-            self.deferred[req_id] = rows
+            owed = backlog.get(row)
+            if owed is None:
+                owed = backlog[row] = self.deferred[req_id] = DeferredStageRows(
+                    first_positions[row], capacity, self.input_ids, self.hidden_states)
+            owed.append(self.input_ids[start:end], self.hidden_states[start:end])
+        return backlog
+
+    def _backlog_full(self, backlog: dict[int, DeferredStageRows]) -> bool:
+        """Whether a request's backlog has reached its bound, or another step's rows would not fit
+        the backlogs' catch-up in one pass of the input buffers."""
+        owed = [rows.count for rows in backlog.values()]
+        one_step = len(owed) * (1 + self.speculative_config.num_speculative_tokens)
+        return max(owed, default=0) >= MAX_DEFERRED_POSITIONS or sum(owed) + one_step > self.max_num_tokens
 
     def _catch_up(self, cad, req_ids: list[str], backlog: dict[int, DeferredStageRows]) -> None:
         """Run the stages over the owed positions of the batch rows in `backlog`, as a prefill of
@@ -574,8 +591,8 @@ class AmphistaProposer(EagleProposer):
         rows = sorted(backlog)
         while rows:
             chunk, size = [], 0
-            while rows and (not chunk or size + len(backlog[rows[0]].token_ids) <= self.max_num_tokens):
-                size += len(backlog[rows[0]].token_ids)
+            while rows and (not chunk or size + backlog[rows[0]].count <= self.max_num_tokens):
+                size += backlog[rows[0]].count
                 chunk.append(rows.pop(0))
             self._run_stages(size, self._load_backlog(cad, [backlog[row] for row in chunk], chunk))
             for row in chunk:
@@ -584,7 +601,7 @@ class AmphistaProposer(EagleProposer):
     def _load_backlog(self, cad, owed: list[DeferredStageRows], rows: list[int]):
         """Write owed rows into the input buffers; their attention metadata: `cad` narrowed to
         those requests, each querying its owed positions."""
-        lengths = [len(pending.token_ids) for pending in owed]
+        lengths = [pending.count for pending in owed]
         num_tokens = sum(lengths)
         device = self.input_ids.device
         self.input_ids[:num_tokens] = torch.cat([pending.token_ids for pending in owed])

@@ -603,6 +603,9 @@ def _greedy_rejection_sampling_fast_path() -> None:
             if not argmax_decides(self, sampling_metadata):
                 return original(self, metadata, draft_probs, logits, sampling_metadata)
             argmax = Sampler.greedy_sample(logits.to(torch.float32))
+            if metadata.max_spec_len == 0:  # no request drafted: each samples its bonus token alone
+                bonus = argmax[metadata.bonus_logits_indices].to(torch.int32)
+                return SamplerOutput(sampled_token_ids=bonus.unsqueeze(1), logprobs_tensors=None)
             output_token_ids = torch.full(
                 (len(metadata.num_draft_tokens), metadata.max_spec_len + 1), rejection_sampler.PLACEHOLDER_TOKEN_ID,
                 dtype=torch.int32, device=logits.device)
