@@ -32,6 +32,7 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
         "--medusa-heads", str(tmp_path / "no-medusa-heads"), "--dtype", "float32", "--max-model-len", "256",
         "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")), "--out", str(out),
         "--engine", "eager",  # compiling each method's engine doubles the test's time (191 s against 98 s)
+        "--draft-length", "adaptive", "off",
     ]
     completed = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV},
                                capture_output=True, text=True, timeout=600)
@@ -51,6 +52,10 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
             assert figure["differing_prompts"] == 0, (label, category)  # float32: lossless
     assert all(figure["tau"] == 1 for figure in runs["vanilla"]["figures"].values())
     assert runs["amphista"]["figures"]["all"]["vllm_mean_acceptance_length"] is not None  # it drafted
+    # Drafting off: speculation configured, nothing drafted, the same tokens.
+    assert runs["amphista[K=0]"]["status"] == "ok"
+    for category, figure in runs["amphista[K=0]"]["figures"].items():
+        assert figure["tau"] == 1 and figure["differing_prompts"] == 0, category
     for plot in ("acceptance_by_position.png", "speedup_by_category.png"):
         assert (out / plot).read_bytes().startswith(PNG_SIGNATURE)
     assert (out / "results.md").read_text().strip() in completed.stdout

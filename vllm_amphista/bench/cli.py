@@ -101,7 +101,8 @@ def missing_weights(heads_dir: str) -> str | None:
 
 def planned_rows(args) -> list[MethodRun]:
     """The rows to run, in order; rows whose weights are missing are marked skipped. Our methods get
-    one row per --draft-length: "amphista" (adaptive, the default) and "amphista[fixed K]"."""
+    one row per --draft-length: "amphista" (adaptive, the default), "amphista[fixed K]" and
+    "amphista[K=0]" (drafting off: what the method costs when it drafts nothing)."""
     rows = []
     for method in args.methods:
         heads_dir = drafter_dir(args, method)
@@ -110,7 +111,7 @@ def planned_rows(args) -> list[MethodRun]:
             continue
         name = "anpd+ngrams" if method == "anpd" and heads_dir else method
         for draft_length in args.draft_length:
-            label = name if draft_length == "adaptive" else f"{name}[fixed K]"
+            label = {"adaptive": name, "fixed": f"{name}[fixed K]", "off": f"{name}[K=0]"}[draft_length]
             rows.append(MethodRun(label, method, heads_dir, draft_length))
     rows += [MethodRun(f"amphista[{name}]", "amphista", directory, args.draft_length[0])
              for name, directory in args.ablation]
@@ -225,9 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4,
                         help="draft tokens per step, for every speculative method; the maximum for adaptive rows "
                              "(default: %(default)s)")
-    parser.add_argument("--draft-length", nargs="+", choices=DRAFT_LENGTH_MODES, default=["adaptive"],
-                        help="for anpd and amphista: adaptive (load-aware K up to -k, the plugin's default) and/or "
-                             "fixed (always -k); with both, each gets a row (default: %(default)s)")
+    parser.add_argument("--draft-length", nargs="+", choices=(*DRAFT_LENGTH_MODES, "off"), default=["adaptive"],
+                        help="for anpd and amphista: adaptive (load-aware K up to -k, the plugin's default), fixed "
+                             "(always -k) and/or off (K=0 at every step: what the method costs when it drafts "
+                             "nothing); each gets a row (default: %(default)s)")
     add_drafter_dir_flags(parser)
     parser.add_argument("--ablation", type=parse_ablation, action="append", default=[], metavar="NAME=DIR",
                         help="extra Amphista heads dir, shown as row amphista[NAME]; repeatable")

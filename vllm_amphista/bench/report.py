@@ -19,7 +19,7 @@ class MethodRun:
     label: str
     method: str
     heads_dir: str | None
-    draft_length: str | None = None  # for our methods: "adaptive" or "fixed"
+    draft_length: str | None = None  # for our methods: "adaptive", "fixed" or "off"
     not_run: str | None = None  # "skipped: why" or "failed: why"
     build_seconds: float | None = None
     repeats: list[dict[str, RunResult]] = field(default_factory=list)  # per repeat: category -> result

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
@@ -431,6 +432,12 @@ class AmphistaProposer(EagleProposer):
                                   and parallel.decode_context_parallel_size == 1
                                   and parallel.prefill_context_parallel_size == 1)
         self.deferred: dict[str, DeferredStageRows] = {}
+        # vLLM pads a step's batch with the rows of rejected drafts so that its shape is known before
+        # the verdict (one CUDA graph per size, no device sync); on CPU the verdict is at hand and the
+        # stages' GEMMs cost by the row, so they run without those rows.
+        self.drop_rejected_rows = torch.device(device).type == "cpu"
+        # The most rows a decode step schedules for one request: its sampled token and its drafts.
+        self.rows_per_decode_step = 1 + vllm_config.speculative_config.num_speculative_tokens
         if self.uses_mrope:
             raise ValueError("the Amphista drafter takes one position per token, not M-RoPE positions")
         self.target_uses_mrope = vllm_config.model_config.uses_mrope
@@ -482,7 +489,7 @@ class AmphistaProposer(EagleProposer):
         req_ids = self.runner.input_batch.req_ids[:cad.num_reqs]
         # A decode step (no prefill chunk) that drafts nothing may leave the stages for later.
         defer = (num_speculative_tokens == 0 and self.defer_idle_stages
-                 and cad.max_query_len <= 1 + self.speculative_config.num_speculative_tokens)
+                 and cad.max_query_len <= self.rows_per_decode_step)
         backlog: dict[int, DeferredStageRows] = {}
         if defer or self.deferred:
             first_positions = target_positions[cad.query_start_loc_cpu[:-1]].tolist()
@@ -500,6 +507,9 @@ class AmphistaProposer(EagleProposer):
             cad=cad,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
+        if num_rejected_tokens_gpu is not None and self.drop_rejected_rows:
+            num_tokens, token_indices_to_sample, cad = self._drop_rejected_rows(cad, num_rejected_tokens_gpu,
+                                                                               num_tokens, token_indices_to_sample)
         if defer:
             backlog = self._defer(cad, req_ids, first_positions, backlog)
             if self._backlog_full(backlog):  # one pass over every owed position, this step's included
@@ -509,6 +519,41 @@ class AmphistaProposer(EagleProposer):
             self._run_stages(num_tokens, cad)
             return self._no_drafts(cad.num_reqs)
         return self.model.chain(self._run_stages(num_tokens, cad, token_indices_to_sample), num_speculative_tokens)
+
+    def _drop_rejected_rows(self, cad, num_rejected: torch.Tensor, num_tokens: int,
+                            token_indices_to_sample: torch.Tensor):
+        """Close up the input buffers over the rows of rejected drafts (the last `num_rejected[i]` of
+        request i's rows) -> (num_tokens, token_indices_to_sample, cad) for the rows left. Lossless:
+        no kept row attends to a dropped one, and the dropped positions are scheduled, and their KV
+        written, again next step."""
+        rejected = num_rejected.numpy()
+        starts = cad.query_start_loc_cpu.numpy()
+        lengths = starts[1:] - starts[:-1] - rejected
+        if not rejected.any() or (lengths < 1).any():  # nothing to drop, or a request discarded whole
+            return num_tokens, token_indices_to_sample, cad
+        new_starts = np.zeros_like(starts)
+        np.cumsum(lengths, out=new_starts[1:])
+        kept_tokens = int(new_starts[-1])
+        keep = torch.from_numpy(np.arange(kept_tokens) + np.repeat(starts[:-1] - new_starts[:-1], lengths))
+        self.input_ids[:kept_tokens] = self.input_ids[keep]
+        self.positions[:kept_tokens] = self.positions[keep]
+        self.hidden_states[:kept_tokens] = self.hidden_states[keep]
+        query_start_loc = torch.from_numpy(new_starts)
+        seq_lens = cad.seq_lens - num_rejected
+        cad = dataclasses.replace(
+            cad,
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens,
+            seq_lens_cpu_upper_bound=seq_lens,
+            num_actual_tokens=kept_tokens,
+            max_query_len=int(lengths.max()),
+            slot_mapping=cad.slot_mapping[keep],
+            positions=None if cad.positions is None else self.positions[:kept_tokens],
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        return kept_tokens, (query_start_loc[1:] - 1).to(token_indices_to_sample.dtype), cad
 
     def _no_drafts(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`draft_with_confidence`'s answer on a step that drafts nothing: [B, 0] token ids and
@@ -565,7 +610,7 @@ class AmphistaProposer(EagleProposer):
         batch row -> its backlog."""
         starts = cad.query_start_loc_cpu.tolist()
         # A backlog below its bound, plus one step's rows.
-        capacity = MAX_DEFERRED_POSITIONS + self.speculative_config.num_speculative_tokens
+        capacity = MAX_DEFERRED_POSITIONS - 1 + self.rows_per_decode_step
         for row, req_id in enumerate(req_ids):
             start, end = starts[row], starts[row + 1]
             if start == end:
@@ -581,7 +626,7 @@ class AmphistaProposer(EagleProposer):
         """Whether a request's backlog has reached its bound, or another step's rows would not fit
         the backlogs' catch-up in one pass of the input buffers."""
         owed = [rows.count for rows in backlog.values()]
-        one_step = len(owed) * (1 + self.speculative_config.num_speculative_tokens)
+        one_step = len(owed) * self.rows_per_decode_step
         return max(owed, default=0) >= MAX_DEFERRED_POSITIONS or sum(owed) + one_step > self.max_num_tokens
 
     def _catch_up(self, cad, req_ids: list[str], backlog: dict[int, DeferredStageRows]) -> None:
