@@ -296,7 +296,8 @@ drafter._run_stages, drafter.model.chain = recorded_run_stages, recorded_chain
 
 def drafted_rows(calls) -> list[tuple[tuple, int, list[int]]]:
     """`RECORD_AMPHISTA_PASSES`' calls of one request -> (its drafting pass, the row drafted from,
-    the chain drafted) per drafting step; rows after the drafted one were rejected drafts."""
+    the chain drafted) per drafting step. On CPU the drafted row is the pass's last; where vLLM's
+    padded pass runs (CUDA), rows after it were rejected drafts."""
     drafted, stage_pass = [], None
     for call in calls:
         if call[0] == "stages":

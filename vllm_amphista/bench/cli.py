@@ -71,7 +71,8 @@ from pathlib import Path
 from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME
 from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.args import ALL_METHODS, add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
-from vllm_amphista.bench.engines import ENGINE_CORE_MODES, EngineFailed, EngineProcess, engine_label, set_engine_env
+from vllm_amphista.bench.engines import (BENCH_DRAFT_LENGTHS, ENGINE_CORE_MODES, EngineFailed, EngineProcess,
+                                         engine_label, set_engine_env)
 from vllm_amphista.bench.report import (
     MethodRun,
     all_figures,
@@ -83,7 +84,7 @@ from vllm_amphista.bench.report import (
 from vllm_amphista.checkpoint import HeadsDirError, read_heads_config
 from vllm_amphista.cpu_dtype import choose_cpu_dtype
 from vllm_amphista.prompts import DataError, Question, load_questions
-from vllm_amphista.vllm.config import DRAFT_LENGTH_MODES, PLUGIN_METHODS
+from vllm_amphista.vllm.config import PLUGIN_METHODS
 
 QUICK = {"per_category": 2, "max_tokens": 32, "repeats": 1, "concurrency": [1]}
 
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4,
                         help="draft tokens per step, for every speculative method; the maximum for adaptive rows "
                              "(default: %(default)s)")
-    parser.add_argument("--draft-length", nargs="+", choices=(*DRAFT_LENGTH_MODES, "off"), default=["adaptive"],
+    parser.add_argument("--draft-length", nargs="+", choices=BENCH_DRAFT_LENGTHS, default=["adaptive"],
                         help="for anpd and amphista: adaptive (load-aware K up to -k, the plugin's default), fixed "
                              "(always -k) and/or off (K=0 at every step: what the method costs when it drafts "
                              "nothing); each gets a row (default: %(default)s)")

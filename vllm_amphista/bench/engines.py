@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from vllm_amphista.bench.timers import StepTimers, StepTimes
+from vllm_amphista.vllm.config import DRAFT_LENGTH_MODES
 
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 # Where the engine core runs: "separate" is vLLM's default (`LLM(...)`, `vllm serve`: the core
@@ -46,6 +47,10 @@ def use_engine_core(mode: str) -> None:
 def engine_label(engine: str, engine_core: str) -> str:
     """How a table names an engine: compilation and where its core ran."""
     return f"{engine}, {'engine core in its own process' if engine_core == 'separate' else 'in-process engine core'}"
+
+
+# The plugin's draft-length modes, and "off": K=0 at every step, for any speculative method.
+BENCH_DRAFT_LENGTHS = (*DRAFT_LENGTH_MODES, "off")
 
 
 def speculative_config(method: str, num_speculative_tokens: int, heads_dir: str | None = None,

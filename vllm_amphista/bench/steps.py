@@ -49,7 +49,7 @@ from pathlib import Path
 
 from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.args import add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
-from vllm_amphista.bench.engines import EngineProcess, set_engine_env
+from vllm_amphista.bench.engines import BENCH_DRAFT_LENGTHS, EngineProcess, set_engine_env
 from vllm_amphista.bench.report import markdown_table
 from vllm_amphista.bench.timers import PARTS
 from vllm_amphista.cpu_dtype import choose_cpu_dtype
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed runs per engine, interleaved across engines; the median is shown")
     parser.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4)
-    parser.add_argument("--draft-length", choices=("fixed", "adaptive", "off"), default="fixed",
+    parser.add_argument("--draft-length", choices=BENCH_DRAFT_LENGTHS, default="fixed",
                         help="fixed K (the cost of a full K-token step, the default) or the load-aware default, "
                              "for the plugin's methods; off: K=0 forced for every speculative method "
                              "(vLLM's per-batch-size schedule), what drafting off costs")
