@@ -3,7 +3,7 @@
 import pytest
 
 from vllm_amphista.anpd import NgramTables
-from vllm_amphista.hybrid import expected_accepted, hybrid_draft
+from vllm_amphista.hybrid import NGRAM_CONFIDENCE_CAP, NGRAM_WEIGHT, expected_accepted, hybrid_draft
 
 
 def tables_of(tokens: list[int]) -> NgramTables:
@@ -46,3 +46,13 @@ def test_never_longer_than_k():
     heads = [(3, 0.9), (4, 0.9), (5, 0.9), (6, 0.9)]
     for k in range(5):
         assert len(hybrid_draft(heads, tables.scored_draft, k, "splice")) <= k
+
+
+def test_weighted_ngram_confidences_stay_below_the_cap():
+    # A passage seen many times: each context's share is near 1, more than the cap once weighted.
+    tables = tables_of([1, 2, 3, 4, 5] * 20 + [1, 2, 3])
+    assert tables.scored_draft(1)[0][1] * NGRAM_WEIGHT > NGRAM_CONFIDENCE_CAP
+    heads = [(9, 0.1), (9, 0.1), (9, 0.1), (9, 0.1)]
+    chain = hybrid_draft(heads, tables.scored_draft, 4, "splice")
+    assert [t for t, _ in chain] == [4, 5, 1, 2]
+    assert all(confidence == NGRAM_CONFIDENCE_CAP for _, confidence in chain)

@@ -517,6 +517,34 @@ def test_curve_replays_every_heads_dir_on_the_same_answers(tiny_llama_dir, datas
     assert "| 1,000 | 3 steps |" in (out / "curve.md").read_text() and (tmp_path / "curve.png").stat().st_size > 0
 
 
+def test_tune_hybrid_replays_answer_shards(tiny_llama_dir, dataset_dir, trained_heads, tmp_path):
+    """`tune_hybrid --answers`: committed answer shards replace the benchmark's answers, one column per
+    shard, and each row's tau is what a replay with its weight and cap gives."""
+    from vllm_amphista import tune_hybrid
+    from vllm_amphista.replay import head_chains, hybrid_steps
+
+    samples = Dataset([dataset_dir]).samples[:5]
+    shards = [tmp_path / "held-out" / "shard_00000.npz", tmp_path / "held-out" / "shard_00001.npz"]
+    shards[0].parent.mkdir()
+    write_answers_shard(shards[0], samples[:3])
+    write_answers_shard(shards[1], samples[3:])
+    out = tmp_path / "tune"
+    tune_hybrid.main(["--target", str(tiny_llama_dir), "--heads", str(trained_heads["amphista"]), "--answers",
+                      *map(str, shards), "--per-shard", "2", "-k", "6", "--ngram-weights", "1", "3",
+                      "--ngram-caps", "0.5", "inf", "--out", str(out)])
+    taus = json.loads((out / "tune_hybrid.json").read_text())
+    assert set(taus["splice w=3 cap=0.5"]) == {"held-out/shard_00000", "held-out/shard_00001", "all"}
+    assert len(taus) == 2 + 2 * 2 * 2
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    drafter = AmphistaDrafter.from_pretrained(trained_heads["amphista"], dtype=torch.float32).eval()
+    records = [{"prompt_ids": s.prompt_ids, "output_ids": s.output_ids} for s in samples[:2] + samples[3:5]]
+    steps = sum(hybrid_steps(record, head_chains(target, drafter, record["prompt_ids"] + record["output_ids"]),
+                             "splice", 3.0, 0.5, 6, tune_hybrid.ANPD_DEFAULT_MAX_CONTEXT + 1)
+                for record in records)
+    tokens = sum(len(record["output_ids"]) for record in records)
+    assert taus["splice w=3 cap=0.5"]["all"] == pytest.approx(tokens / steps)
+
+
 def test_adapt_fine_tunes_heads_on_recorded_traffic(tiny_llama_dir, dataset_dir, trained_heads, tmp_path):
     """A recording (as `record_traffic` writes it) of the target's own answers: `adapt` prefills
     it, fine-tunes the heads from their weights with the original data mixed in, and a rerun

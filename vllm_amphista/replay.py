@@ -73,8 +73,8 @@ def head_chains(target, drafter: AmphistaDrafter, token_ids: list[int]) -> tuple
     return draft_ids[0], log_probabilities[0].exp()
 
 
-def hybrid_steps(record: dict, chains: tuple[torch.Tensor, torch.Tensor], rule: str, ngram_weight: float, k: int,
-                 max_n: int, fallback: AnswerNgrams | None = None) -> int:
+def hybrid_steps(record: dict, chains: tuple[torch.Tensor, torch.Tensor], rule: str, ngram_weight: float,
+                 ngram_cap: float, k: int, max_n: int, fallback: AnswerNgrams | None = None) -> int:
     """Target steps with a `hybrid.RULES` rule over the record's head chains and ANPD tables (falling
     back on the answer n-grams the heads dir ships, as in vLLM)."""
     draft_ids, probabilities = chains
@@ -84,7 +84,7 @@ def hybrid_steps(record: dict, chains: tuple[torch.Tensor, torch.Tensor], rule: 
     def draft(context: list[int], room: int) -> list[int]:
         position = len(context) - 2  # h_{L-2} and the last token x_{L-1} give the next drafts
         heads = list(zip(draft_ids[position], probabilities[position]))
-        chain = hybrid_draft(heads, tables.scored_draft, k, rule, ngram_weight)
+        chain = hybrid_draft(heads, tables.scored_draft, k, rule, ngram_weight, ngram_cap)
         return [token for token, _ in chain][:room]
 
     return replay(record["prompt_ids"], record["output_ids"], k, draft, tables.extend)
