@@ -539,7 +539,7 @@ def test_tune_hybrid_replays_answer_shards(tiny_llama_dir, dataset_dir, trained_
     drafter = AmphistaDrafter.from_pretrained(trained_heads["amphista"], dtype=torch.float32).eval()
     records = [{"prompt_ids": s.prompt_ids, "output_ids": s.output_ids} for s in samples[:2] + samples[3:5]]
     steps = sum(hybrid_steps(record, head_chains(target, drafter, record["prompt_ids"] + record["output_ids"]),
-                             "splice", 3.0, 0.5, 6, tune_hybrid.ANPD_DEFAULT_MAX_CONTEXT + 1)
+                             "splice", 6, tune_hybrid.ANPD_DEFAULT_MAX_CONTEXT + 1, ngram_weight=3.0, ngram_cap=0.5)
                 for record in records)
     tokens = sum(len(record["output_ids"]) for record in records)
     assert taus["splice w=3 cap=0.5"]["all"] == pytest.approx(tokens / steps)

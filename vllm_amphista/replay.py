@@ -21,7 +21,7 @@ import torch
 
 from vllm_amphista.anpd import NgramTables
 from vllm_amphista.answer_ngrams import AnswerNgrams
-from vllm_amphista.hybrid import hybrid_draft
+from vllm_amphista.hybrid import NGRAM_CONFIDENCE_CAP, NGRAM_WEIGHT, hybrid_draft
 from vllm_amphista.modeling_amphista import AmphistaDrafter, target_features
 
 
@@ -73,10 +73,12 @@ def head_chains(target, drafter: AmphistaDrafter, token_ids: list[int]) -> tuple
     return draft_ids[0], log_probabilities[0].exp()
 
 
-def hybrid_steps(record: dict, chains: tuple[torch.Tensor, torch.Tensor], rule: str, ngram_weight: float,
-                 ngram_cap: float, k: int, max_n: int, fallback: AnswerNgrams | None = None) -> int:
+def hybrid_steps(record: dict, chains: tuple[torch.Tensor, torch.Tensor], rule: str, k: int, max_n: int,
+                 fallback: AnswerNgrams | None = None, ngram_weight: float = NGRAM_WEIGHT,
+                 ngram_cap: float = NGRAM_CONFIDENCE_CAP) -> int:
     """Target steps with a `hybrid.RULES` rule over the record's head chains and ANPD tables (falling
-    back on the answer n-grams the heads dir ships, as in vLLM)."""
+    back on the answer n-grams the heads dir ships, as in vLLM); ANPD's weight and cap default to
+    the shipped ones."""
     draft_ids, probabilities = chains
     draft_ids, probabilities = draft_ids.tolist(), probabilities.tolist()
     tables = NgramTables(max_n, max_entries=1 << 30, fallback=fallback)

@@ -41,8 +41,7 @@ def answer_records(shards: list[str], per_shard: int | None) -> list[dict]:
     records = []
     for shard in shards:
         category = f"{Path(shard).parent.name}/{Path(shard).stem}"
-        records += [{"category": category, "prompt_ids": [int(t) for t in sample.prompt_ids],
-                     "output_ids": [int(t) for t in sample.output_ids]}
+        records += [{"category": category, "prompt_ids": sample.prompt_ids, "output_ids": sample.output_ids}
                     for sample in read_answers_shard(shard)[:per_shard]]
     return records
 
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     chains_of = {id(record): record_chains for record, record_chains in zip(records, chains)}
     fallback = load_from_dir(args.heads)
     taus = {label: tau_by_category(records, lambda record, rule=rule, weight=weight, cap=cap: hybrid_steps(
-                record, chains_of[id(record)], rule, weight, cap, args.k, max_n, fallback))
+                record, chains_of[id(record)], rule, args.k, max_n, fallback, ngram_weight=weight, ngram_cap=cap))
             for label, (rule, weight, cap) in rows.items()}
     columns = [*categories, "all"]
     better = {c: max(taus["heads"][c], taus["anpd"][c]) for c in columns}

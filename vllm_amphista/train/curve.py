@@ -26,7 +26,6 @@ from tqdm import tqdm
 from vllm_amphista.answer_ngrams import load_from_dir
 from vllm_amphista.assets import SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.greedy_answers import greedy_answers
-from vllm_amphista.hybrid import NGRAM_CONFIDENCE_CAP, NGRAM_WEIGHT
 from vllm_amphista.modeling_amphista import AmphistaDrafter
 from vllm_amphista.replay import head_chains, hybrid_steps, tau_by_category
 from vllm_amphista.vllm.config import ANPD_DEFAULT_MAX_CONTEXT
@@ -67,7 +66,7 @@ def run_curve(args: argparse.Namespace) -> dict:
                   for record in tqdm(records, desc=f"replaying {heads}", unit="answer")}
         fallback = load_from_dir(heads)
         taus = {rule: tau_by_category(records, lambda record, rule=rule: hybrid_steps(
-                    record, chains[id(record)], rule, NGRAM_WEIGHT, NGRAM_CONFIDENCE_CAP, args.k, max_n, fallback))
+                    record, chains[id(record)], rule, args.k, max_n, fallback))
                 for rule in ("heads", HYBRID_RULE)}
         points.append({"heads": heads, "output_tokens": tokens, "note": note,
                        "heads_tau": taus["heads"], "hybrid_tau": taus[HYBRID_RULE],
