@@ -50,9 +50,9 @@ later prompt that repeats them (prefix caching) would read, for drafting only.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
@@ -65,6 +65,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama_eagle import LlamaDecoderLayer as DraftLlamaDecoderLayer
 from vllm.model_executor.models.utils import maybe_prefix
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
@@ -432,10 +433,11 @@ class AmphistaProposer(EagleProposer):
                                   and parallel.decode_context_parallel_size == 1
                                   and parallel.prefill_context_parallel_size == 1)
         self.deferred: dict[str, DeferredStageRows] = {}
-        # vLLM pads a step's batch with the rows of rejected drafts so that its shape is known before
-        # the verdict (one CUDA graph per size, no device sync); on CPU the verdict is at hand and the
-        # stages' GEMMs cost by the row, so they run without those rows.
-        self.drop_rejected_rows = torch.device(device).type == "cpu"
+        # On CPU the sampler's verdict and the attention metadata are host tensors, at hand in Python:
+        # the drafter's inputs are prepared there (`prepare_*_padded`), and the stages run without the
+        # rows of rejected drafts, which vLLM pads a step's batch with so that its shape is known before
+        # the verdict (one CUDA graph per size, no device sync); on CPU the stages' GEMMs cost by the row.
+        self.host_side = torch.device(device).type == "cpu"
         # The most rows a decode step schedules for one request: its sampled token and its drafts.
         self.rows_per_decode_step = 1 + vllm_config.speculative_config.num_speculative_tokens
         if self.uses_mrope:
@@ -455,6 +457,59 @@ class AmphistaProposer(EagleProposer):
     def _set_positions(self, num_tokens: int, positions: torch.Tensor) -> None:
         # vLLM's reads the target's `uses_mrope` (a walk of its HF config, ~0.1 ms on CPU) every call.
         self.positions[:num_tokens] = positions[0] if self.target_uses_mrope else positions
+
+    def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests, gpu_input_batch,
+                                      discard_request_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's (each request's last valid sampled token, or its last known token where none is
+        valid or its sample is discarded; and its count of valid tokens), computed in plain Python
+        where the tensors are on the host: vLLM's CPU path converts and copies its int32 tensors
+        around a C++ kernel, ~10 small ops that cost 10-20 us each right after the target's forward."""
+        if not self.host_side:
+            return super().prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
+                                                         discard_request_mask)
+        vocab_size = gpu_input_batch.vocab_size
+        next_token_ids, valid_counts = [], []
+        for row, (tokens, discarded) in enumerate(zip(sampled_token_ids.tolist(), discard_request_mask.tolist())):
+            valid = [] if discarded else [token for token in tokens if token != -1 and token < vocab_size]
+            if valid:
+                next_token_ids.append(valid[-1])
+            else:
+                req_id = gpu_input_batch.req_ids[row]
+                next_token_ids.append(requests[req_id].get_token_id(gpu_input_batch.num_tokens_no_spec[row] - 1))
+            valid_counts.append(len(valid))
+        return torch.tensor(next_token_ids, dtype=torch.int32), torch.tensor(valid_counts, dtype=torch.int32)
+
+    def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata, valid_sampled_tokens_count):
+        """vLLM's (the padded step's attention metadata, each request's row to draft from, its count
+        of rejected drafts), in plain Python where the tensors are on the host, as above."""
+        if not self.host_side:
+            return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata,
+                                                 valid_sampled_tokens_count)
+        cad = common_attn_metadata
+        num_reqs = cad.num_reqs
+        cu_num_draft_tokens = spec_decode_metadata.cu_num_draft_tokens.tolist()[:num_reqs]
+        num_draft_tokens = [end - start for start, end in zip([0, *cu_num_draft_tokens], cu_num_draft_tokens)]
+        rejected = [drafted + 1 - valid if drafted > 0 else 0
+                    for drafted, valid in zip(num_draft_tokens, valid_sampled_tokens_count.tolist())]
+        starts = cad.query_start_loc_cpu.tolist()
+        total_num_tokens = starts[-1]
+        spec_cad = CommonAttentionMetadata(
+            query_start_loc=cad.query_start_loc,
+            seq_lens=cad.seq_lens,
+            query_start_loc_cpu=cad.query_start_loc_cpu,
+            seq_lens_cpu_upper_bound=cad.seq_lens_cpu_upper_bound,
+            num_reqs=num_reqs,
+            num_actual_tokens=total_num_tokens,
+            max_query_len=max(end - start for start, end in zip(starts, starts[1:])),
+            max_seq_len=cad.max_seq_len,
+            block_table_tensor=cad.block_table_tensor,
+            slot_mapping=cad.slot_mapping[:total_num_tokens],
+            causal=True,
+            dcp_local_seq_lens=cad.dcp_local_seq_lens,
+        )
+        token_indices_to_sample = torch.tensor([end - 1 - dropped for end, dropped in zip(starts[1:], rejected)],
+                                               dtype=torch.int32)
+        return spec_cad, token_indices_to_sample, torch.tensor(rejected, dtype=torch.int32)
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
@@ -507,7 +562,7 @@ class AmphistaProposer(EagleProposer):
             cad=cad,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
         )
-        if num_rejected_tokens_gpu is not None and self.drop_rejected_rows:
+        if num_rejected_tokens_gpu is not None and self.host_side:
             num_tokens, token_indices_to_sample, cad = self._drop_rejected_rows(cad, num_rejected_tokens_gpu,
                                                                                num_tokens, token_indices_to_sample)
         if defer:
@@ -525,20 +580,26 @@ class AmphistaProposer(EagleProposer):
         """Close up the input buffers over the rows of rejected drafts (the last `num_rejected[i]` of
         request i's rows) -> (num_tokens, token_indices_to_sample, cad) for the rows left. Lossless:
         no kept row attends to a dropped one, and the dropped positions are scheduled, and their KV
-        written, again next step."""
-        rejected = num_rejected.numpy()
-        starts = cad.query_start_loc_cpu.numpy()
-        lengths = starts[1:] - starts[:-1] - rejected
-        if not rejected.any() or (lengths < 1).any():  # nothing to drop, or a request discarded whole
+        written, again next step. Plain Python over the step's few requests: right after the target's
+        forward every small tensor or numpy op costs 10-20 us here (cold caches)."""
+        if cad.max_query_len == 1:  # no request verified drafts this step
             return num_tokens, token_indices_to_sample, cad
-        new_starts = np.zeros_like(starts)
-        np.cumsum(lengths, out=new_starts[1:])
-        kept_tokens = int(new_starts[-1])
-        keep = torch.from_numpy(np.arange(kept_tokens) + np.repeat(starts[:-1] - new_starts[:-1], lengths))
-        self.input_ids[:kept_tokens] = self.input_ids[keep]
-        self.positions[:kept_tokens] = self.positions[keep]
-        self.hidden_states[:kept_tokens] = self.hidden_states[keep]
-        query_start_loc = torch.from_numpy(new_starts)
+        rejected = num_rejected.tolist()
+        starts = cad.query_start_loc_cpu.tolist()
+        lengths = [end - start - dropped for start, end, dropped in zip(starts, starts[1:], rejected)]
+        if not any(rejected) or min(lengths) < 1:  # nothing to drop, or a request discarded whole
+            return num_tokens, token_indices_to_sample, cad
+        new_starts = list(itertools.accumulate(lengths, initial=0))
+        kept_tokens = new_starts[-1]
+        if starts[:-1] == new_starts[:-1]:  # only the last request dropped rows: the kept rows stay put
+            slot_mapping = cad.slot_mapping[:kept_tokens]
+        else:
+            keep = torch.tensor([row for start, length in zip(starts, lengths) for row in range(start, start + length)])
+            self.input_ids[:kept_tokens] = self.input_ids[keep]
+            self.positions[:kept_tokens] = self.positions[keep]
+            self.hidden_states[:kept_tokens] = self.hidden_states[keep]
+            slot_mapping = cad.slot_mapping[keep]
+        query_start_loc = torch.tensor(new_starts, dtype=cad.query_start_loc_cpu.dtype)
         seq_lens = cad.seq_lens - num_rejected
         cad = dataclasses.replace(
             cad,
@@ -547,13 +608,14 @@ class AmphistaProposer(EagleProposer):
             seq_lens=seq_lens,
             seq_lens_cpu_upper_bound=seq_lens,
             num_actual_tokens=kept_tokens,
-            max_query_len=int(lengths.max()),
-            slot_mapping=cad.slot_mapping[keep],
+            max_query_len=max(lengths),
+            slot_mapping=slot_mapping,
             positions=None if cad.positions is None else self.positions[:kept_tokens],
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return kept_tokens, (query_start_loc[1:] - 1).to(token_indices_to_sample.dtype), cad
+        last_rows = torch.tensor([start - 1 for start in new_starts[1:]], dtype=token_indices_to_sample.dtype)
+        return kept_tokens, last_rows, cad
 
     def _no_drafts(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`draft_with_confidence`'s answer on a step that drafts nothing: [B, 0] token ids and
