@@ -468,8 +468,10 @@ class AmphistaProposer(EagleProposer):
             return super().prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
                                                          discard_request_mask)
         vocab_size = gpu_input_batch.vocab_size
+        # The mask is the runner's whole buffer (max_num_seqs rows): read only the batch's.
+        discarded_rows = discard_request_mask[:sampled_token_ids.shape[0]].tolist()
         next_token_ids, valid_counts = [], []
-        for row, (tokens, discarded) in enumerate(zip(sampled_token_ids.tolist(), discard_request_mask.tolist())):
+        for row, (tokens, discarded) in enumerate(zip(sampled_token_ids.tolist(), discarded_rows)):
             valid = [] if discarded else [token for token in tokens if token != -1 and token < vocab_size]
             if valid:
                 next_token_ids.append(valid[-1])
