@@ -433,6 +433,7 @@ class AmphistaProposer(EagleProposer):
                                   and parallel.decode_context_parallel_size == 1
                                   and parallel.prefill_context_parallel_size == 1)
         self.deferred: dict[str, DeferredStageRows] = {}
+        self._empty_drafts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         # On CPU the sampler's verdict and the attention metadata are host tensors, at hand in Python:
         # the drafter's inputs are prepared there (`prepare_*_padded`), and the stages run without the
         # rows of rejected drafts, which vLLM pads a step's batch with so that its shape is known before
@@ -517,6 +518,8 @@ class AmphistaProposer(EagleProposer):
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
         if not self.truncate_drafts:
             return token_ids
+        if not num_speculative_tokens:
+            return [[] for _ in range(token_ids.shape[0])]
         lengths = (confidence.cumprod(dim=1) >= MIN_DRAFT_CONFIDENCE).sum(dim=1).tolist()
         return [row[:length] for row, length in zip(token_ids.tolist(), lengths)]
 
@@ -553,6 +556,12 @@ class AmphistaProposer(EagleProposer):
             backlog = self._scheduled_backlog(req_ids, first_positions)
             if backlog and not defer:  # this step's rows attend to those positions: run them first
                 self._catch_up(cad, req_ids, backlog)
+        if defer and cad.num_actual_tokens == cad.num_reqs:
+            # One row a request and nothing verified: each row's stage input is the token just
+            # sampled and the target's features there, deferred as they are, without the input buffers.
+            rows = ((row, next_token_ids[row:row + 1], target_hidden_states[row:row + 1])
+                    for row in range(cad.num_reqs))
+            return self._defer_rows(cad, req_ids, first_positions, backlog, rows)
         # The first pass of SpecDecodeBaseProposer.propose: the stages see every
         # scheduled token and write their KV.
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
@@ -568,10 +577,10 @@ class AmphistaProposer(EagleProposer):
             num_tokens, token_indices_to_sample, cad = self._drop_rejected_rows(cad, num_rejected_tokens_gpu,
                                                                                num_tokens, token_indices_to_sample)
         if defer:
-            backlog = self._defer(cad, req_ids, first_positions, backlog)
-            if self._backlog_full(backlog):  # one pass over every owed position, this step's included
-                self._catch_up(cad, req_ids, backlog)
-            return self._no_drafts(cad.num_reqs)
+            starts = cad.query_start_loc_cpu.tolist()
+            rows = ((row, self.input_ids[start:end], self.hidden_states[start:end])
+                    for row, (start, end) in enumerate(zip(starts, starts[1:])) if start < end)
+            return self._defer_rows(cad, req_ids, first_positions, backlog, rows)
         if num_speculative_tokens == 0:  # a prefill chunk: the stages write their KV
             self._run_stages(num_tokens, cad)
             return self._no_drafts(cad.num_reqs)
@@ -621,9 +630,12 @@ class AmphistaProposer(EagleProposer):
 
     def _no_drafts(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`draft_with_confidence`'s answer on a step that drafts nothing: [B, 0] token ids and
-        confidences (None without `with_confidence`)."""
-        empty = torch.empty(num_reqs, 0, device=self.input_ids.device)
-        return empty.long(), empty if self.with_confidence else None
+        confidences (None without `with_confidence`); made once per batch size (they hold nothing)."""
+        answer = self._empty_drafts.get(num_reqs)
+        if answer is None:
+            empty = torch.empty(num_reqs, 0, device=self.input_ids.device)
+            answer = self._empty_drafts[num_reqs] = (empty.long(), empty if self.with_confidence else None)
+        return answer
 
     def _run_stages(self, num_tokens: int, cad, rows_to_draft: torch.Tensor | None = None):
         """The stages over the first `num_tokens` rows of the input buffers, as `cad` describes them
@@ -668,23 +680,21 @@ class AmphistaProposer(EagleProposer):
                 del self.deferred[req_id]
         return backlog
 
-    def _defer(self, cad, req_ids: list[str], first_positions: list[int],
-               backlog: dict[int, DeferredStageRows]) -> dict[int, DeferredStageRows]:
-        """Append this step's stage inputs (in the input buffers) to each request's backlog ->
-        batch row -> its backlog."""
-        starts = cad.query_start_loc_cpu.tolist()
+    def _defer_rows(self, cad, req_ids: list[str], first_positions: list[int],
+                    backlog: dict[int, DeferredStageRows], rows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append this step's stage inputs, `rows` of (batch row, token ids, the target's features),
+        to each request's backlog; catch up if a backlog is full; draft nothing."""
         # A backlog below its bound, plus one step's rows.
         capacity = MAX_DEFERRED_POSITIONS - 1 + self.rows_per_decode_step
-        for row, req_id in enumerate(req_ids):
-            start, end = starts[row], starts[row + 1]
-            if start == end:
-                continue
+        for row, token_ids, hidden_states in rows:
             owed = backlog.get(row)
             if owed is None:
-                owed = backlog[row] = self.deferred[req_id] = DeferredStageRows(
+                owed = backlog[row] = self.deferred[req_ids[row]] = DeferredStageRows(
                     first_positions[row], capacity, self.input_ids, self.hidden_states)
-            owed.append(self.input_ids[start:end], self.hidden_states[start:end])
-        return backlog
+            owed.append(token_ids, hidden_states)
+        if self._backlog_full(backlog):  # one pass over every owed position, this step's included
+            self._catch_up(cad, req_ids, backlog)
+        return self._no_drafts(cad.num_reqs)
 
     def _backlog_full(self, backlog: dict[int, DeferredStageRows]) -> bool:
         """Whether a request's backlog has reached its bound, or another step's rows would not fit

@@ -46,10 +46,13 @@ class AmphistaAnpdProposer(AmphistaProposer):
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor | list[list[int]]:
         token_ids, confidence = self.draft_with_confidence(num_speculative_tokens, *args, **kwargs)
+        self._draft_length = num_speculative_tokens
+        if not num_speculative_tokens:
+            self._heads_chains = {}
+            return token_ids if self.async_scheduling else [[] for _ in range(token_ids.shape[0])]
         req_ids = self.runner.input_batch.req_ids
         self._heads_chains = {req_id: list(zip(tokens, confidences))
                               for req_id, tokens, confidences in zip(req_ids, token_ids.tolist(), confidence.tolist())}
-        self._draft_length = num_speculative_tokens
         if not self.async_scheduling:
             return token_ids.tolist()
         past_heads = num_speculative_tokens - token_ids.shape[1]
@@ -66,6 +69,8 @@ class AmphistaAnpdProposer(AmphistaProposer):
 
     def finalize_drafts(self, drafts: torch.Tensor | list[list[int]]) -> torch.Tensor | list[list[int]]:
         """Each request's final draft from its heads' chain and its tables."""
+        if not self._draft_length:
+            return drafts
         final = drafts.clone() if torch.is_tensor(drafts) else []
         for row, req_id in enumerate(self.runner.input_batch.req_ids):
             chain, length = self._heads_chains.get(req_id), self._lengths.get(req_id)
