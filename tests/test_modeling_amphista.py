@@ -204,7 +204,9 @@ def test_own_lm_head_and_draft_vocabulary():
 
 @pytest.mark.parametrize("overrides", [{}, {"draft_vocab_size": 8, "use_stages": False},
                                        {"target_feature_layers": [1, 3]},
-                                       {"draft_vocab_size": 8, "draft_token_mlp_size": 64}])
+                                       {"draft_vocab_size": 8, "draft_token_mlp_size": 64},
+                                       {"draft_vocab_size": 8, "draft_token_mlp_size": 64,
+                                        "draft_token_mlp_reads": "first"}])
 def test_save_load_round_trip(tmp_path, overrides):
     drafter = randomized(AmphistaDrafter(make_config(**overrides)))
     hidden, next_ids, embed, lm_head = make_inputs()
@@ -224,16 +226,19 @@ def test_save_load_round_trip(tmp_path, overrides):
 DRAFT_IDS = torch.tensor([5, 9, 2, 300, 17, 64, 1, 0, 33, 250, 101, 7])
 
 
-def draft_token_drafter(seed: int = 0) -> AmphistaDrafter:
-    drafter = randomized(AmphistaDrafter(make_config(draft_vocab_size=len(DRAFT_IDS), draft_token_mlp_size=96)), seed)
+def draft_token_drafter(seed: int = 0, reads: str = "previous") -> AmphistaDrafter:
+    drafter = randomized(AmphistaDrafter(make_config(draft_vocab_size=len(DRAFT_IDS), draft_token_mlp_size=96,
+                                                     draft_token_mlp_reads=reads)), seed)
     drafter.init_from_target(make_inputs()[3], DRAFT_IDS)
     return drafter
 
 
-def test_heads_read_the_tokens_drafted_before_them():
-    """Head k's draft changes with the token head k-1 drafted, head 0's does not; the chain
-    `draft` returns is what the teacher-forced logits give once that chain is the text."""
-    drafter = draft_token_drafter()
+@pytest.mark.parametrize("reads", ["previous", "first"])
+def test_heads_read_the_tokens_drafted_before_them(reads):
+    """Head k's draft changes with the token head k-1 drafted (or head 0's, with reads="first"),
+    head 0's does not; the chain `draft` returns is what the teacher-forced logits give once that
+    chain is the text."""
+    drafter = draft_token_drafter(reads=reads)
     hidden, next_ids, embed, _ = make_inputs(batch=1)
     next_ids = DRAFT_IDS[next_ids % len(DRAFT_IDS)]
     chain, log_probs = drafter.draft(hidden, next_ids, embed, None)
@@ -255,6 +260,12 @@ def test_heads_read_the_tokens_drafted_before_them():
         other = drafter(longer_hidden, other_ids, embed, None)[0, 6]
     assert torch.equal(other[0], logits[0])
     assert not torch.allclose(other[1:], logits[1:])
+    # Other tokens after head 0's: head 2 moves when it reads head 1's token, not when it reads head 0's.
+    later_ids = torch.cat([next_ids, last[None, :1], (last[None, 1:-1] + 1) % VOCAB], dim=1)
+    with torch.no_grad():
+        later = drafter(longer_hidden, later_ids, embed, None)[0, 6]
+    assert torch.equal(later[:2], logits[:2])
+    assert torch.equal(later[2:], logits[2:]) == (reads == "first")
 
 
 def test_adding_the_draft_token_mlp_keeps_what_the_heads_draft():
@@ -350,6 +361,7 @@ def test_truncated_or_incomplete_checkpoint_is_a_clear_error(tmp_path):
     ({"target_feature_layers": [3, 1]}, "ascending"),
     ({"draft_token_mlp_size": -1}, "draft_token_mlp_size"),
     ({"draft_token_mlp_size": 64}, "need a draft vocabulary"),
+    ({"draft_vocab_size": 8, "draft_token_mlp_size": 64, "draft_token_mlp_reads": "last"}, "draft_token_mlp_reads"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):

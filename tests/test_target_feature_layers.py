@@ -106,16 +106,14 @@ def test_fit_trains_heads_that_read_the_layers(tiny_llama_dir, layered_dataset, 
         FitOptions(target="t", data=["d"], out="o", method="medusa", target_feature_layers=LAYERS).validate()
 
 
-@pytest.fixture(scope="module")
-def draft_token_heads(tiny_llama_dir, layered_dataset, tmp_path_factory):
-    """Layered heads with a draft vocabulary whose heads 2..K read the token drafted before them,
+def fit_draft_token_heads(tiny_llama_dir, dataset, root, reads):
+    """Layered heads with a draft vocabulary whose heads 2..K read drafted tokens (`reads`),
     fitted briefly by `fit --draft-token-mlp`, then that MLP's down projection randomised (it starts
     at zero) so that what it reads moves the drafts."""
-    root = tmp_path_factory.mktemp("draft_token_heads")
-    result = fit(FitOptions(target=str(tiny_llama_dir), data=[str(layered_dataset)], out=str(root / "fitted"),
+    result = fit(FitOptions(target=str(tiny_llama_dir), data=[str(dataset)], out=str(root / "fitted"),
                             state_dir=str(root / "state"), target_feature_layers=LAYERS, num_heads=3,
-                            draft_vocab_size=64, draft_token_mlp=64, max_steps=12, batch_tokens=256, row_tokens=128,
-                            eval_fraction=0.0, lr=3e-3, threads=1))
+                            draft_vocab_size=64, draft_token_mlp=64, draft_token_mlp_reads=reads, max_steps=12,
+                            batch_tokens=256, row_tokens=128, eval_fraction=0.0, lr=3e-3, threads=1))
     drafter = AmphistaDrafter.from_pretrained(root / "fitted", dtype=torch.float32)
     with torch.no_grad():
         down = drafter.auto_embedding.draft_token_mlp.down_proj.weight
@@ -124,13 +122,30 @@ def draft_token_heads(tiny_llama_dir, layered_dataset, tmp_path_factory):
     return root / "heads", result
 
 
-def test_fit_trains_heads_that_read_the_drafted_tokens(draft_token_heads):
-    heads, result = draft_token_heads
-    assert sum(result.train_losses[-3:]) < sum(result.train_losses[:3])
-    drafter = AmphistaDrafter.from_pretrained(heads)
-    assert drafter.config.draft_token_mlp_size == 64 and drafter.config.draft_vocab_size == 64
+@pytest.fixture(scope="module")
+def draft_token_heads(tiny_llama_dir, layered_dataset, tmp_path_factory):
+    """Heads 2..K read the token drafted just before them."""
+    return fit_draft_token_heads(tiny_llama_dir, layered_dataset, tmp_path_factory.mktemp("draft_token_heads"),
+                                 "previous")
+
+
+@pytest.fixture(scope="module")
+def first_draft_token_heads(tiny_llama_dir, layered_dataset, tmp_path_factory):
+    """Heads 2..K read the first head's token."""
+    return fit_draft_token_heads(tiny_llama_dir, layered_dataset, tmp_path_factory.mktemp("first_draft_token"),
+                                 "first")
+
+
+def test_fit_trains_heads_that_read_the_drafted_tokens(draft_token_heads, first_draft_token_heads):
+    for (heads, result), reads in ((draft_token_heads, "previous"), (first_draft_token_heads, "first")):
+        assert sum(result.train_losses[-3:]) < sum(result.train_losses[:3])
+        drafter = AmphistaDrafter.from_pretrained(heads)
+        assert drafter.config.draft_token_mlp_size == 64 and drafter.config.draft_vocab_size == 64
+        assert drafter.config.draft_token_mlp_reads == reads
     with pytest.raises(ValueError, match="amphista only"):
         FitOptions(target="t", data=["d"], out="o", method="eagle", draft_token_mlp=64).validate()
+    with pytest.raises(ValueError, match="applies to heads with --draft-token-mlp"):
+        FitOptions(target="t", data=["d"], out="o", draft_token_mlp_reads="first").validate()
 
 
 # In the engine's process: what the stages were fed and what was drafted, step by step.
@@ -147,17 +162,20 @@ report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_h
     pytest.param("last-layer", True, id="last-layer"),
     pytest.param("deep", True, id="deep"),
     pytest.param("draft-tokens", True, id="draft-tokens"),
+    pytest.param("first-draft-tokens", True, id="first-draft-tokens"),
     # A minute of compiling, for an option no shipped heads use.
     pytest.param("draft-tokens", False, id="draft-tokens-compiled", marks=pytest.mark.slow),
 ])
 def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, last_layer_heads,
-                                                                   deep_heads, draft_token_heads, tmp_path, kind,
+                                                                   deep_heads, draft_token_heads,
+                                                                   first_draft_token_heads, tmp_path, kind,
                                                                    enforce_eager):
     """Heads reading several target layers, heads from before the option (the final norm's
     output only), deeper stages and encoder, and layered heads that read the tokens drafted before
-    them (head by head, eager and compiled), draft in vLLM what the reference drafter drafts."""
+    them (head by head, eager and compiled, or all the first head's) draft in vLLM what the
+    reference drafter drafts."""
     heads = {"layered": layered_heads, "last-layer": last_layer_heads, "deep": deep_heads,
-             "draft-tokens": draft_token_heads[0]}[kind]
+             "draft-tokens": draft_token_heads[0], "first-draft-tokens": first_draft_token_heads[0]}[kind]
     layers = None if kind == "last-layer" else LAYERS
     prompt = [12, 40, 41, 12, 40, 41, 12, 40, 41, 12, 57]
     run = run_llm(tiny_llama_dir, RECORD_DRAFTS_BODY, {"method": "amphista", "model": str(heads),

@@ -11,6 +11,9 @@ from transformers.activations import ACT2FN
 from amphista_kernels.head_attention import MAX_HEAD_POSITIONS, SUPPORTED_HEAD_DIMS
 
 NUM_STAGES = 2
+# Which drafted token heads 1..K-1 read through the draft-token MLP: each the one drafted just
+# before it (head by head), or all head 0's (two vocabulary passes however many heads).
+DRAFT_TOKEN_MLP_READS = ("previous", "first")
 # Encoder heads of this size suit the bi-directional head-attention kernel.
 PREFERRED_ENCODER_HEAD_DIM = 64
 
@@ -53,6 +56,7 @@ class AmphistaConfig(PretrainedConfig):
         target_model_type: str | None = None,
         target_feature_layers: list[int] | None = None,
         draft_token_mlp_size: int = 0,
+        draft_token_mlp_reads: str = "previous",
         **kwargs,
     ):
         self.hidden_size = hidden_size
@@ -87,6 +91,7 @@ class AmphistaConfig(PretrainedConfig):
         self.target_model_type = target_model_type
         self.target_feature_layers = None if target_feature_layers is None else [int(i) for i in target_feature_layers]
         self.draft_token_mlp_size = draft_token_mlp_size
+        self.draft_token_mlp_reads = draft_token_mlp_reads
         kwargs.setdefault("architectures", ["AmphistaDrafter"])
         super().__init__(**kwargs)
         self.validate()
@@ -141,6 +146,8 @@ class AmphistaConfig(PretrainedConfig):
         require(self.hidden_act in ACT2FN, f"unknown hidden_act {self.hidden_act!r}")
         require(self.draft_token_mlp_size >= 0, f"draft_token_mlp_size must be >= 0 (0 = off), "
                                                 f"got {self.draft_token_mlp_size}")
+        require(self.draft_token_mlp_reads in DRAFT_TOKEN_MLP_READS,
+                f"draft_token_mlp_reads must be one of {DRAFT_TOKEN_MLP_READS}, got {self.draft_token_mlp_reads!r}")
         if self.draft_token_mlp_size:
             # In vLLM the chain is drafted inside the heads' graph, which ends with the drafter's own lm_head.
             require(self.draft_vocab_size > 0, "heads that read the drafted tokens (draft_token_mlp_size > 0) "

@@ -25,6 +25,9 @@ MLP and one lm_head pass per head)::
 
     head_k   += down(act(up([final_norm(heads_k), norm(embed(y_{k-1}))])))
 
+or, with ``draft_token_mlp_reads="first"``, every head k >= 1 reads head 0's y_0
+(one lm_head pass for head 0, then one MLP and one lm_head pass for the rest).
+
 Choices for what the paper leaves open, and why
 -----------------------------------------------
 * Sampled-token fusion: concatenate the token embedding (first) with h_t and
@@ -57,6 +60,10 @@ Choices for what the paper leaves open, and why
   is accepted) and drafting feeds it y_{k-1}. One MLP is shared by the heads
   (they differ by their position embedding); its down projection starts at
   zero, so it starts as the heads without it (and can be added to trained heads).
+  Reading head 0's token only (``draft_token_mlp_reads="first"``) keeps most of
+  the correction (head 1 reads what it reads in the chain) at a fixed cost: two
+  vocabulary passes and one MLP pass instead of K and K-1, each a few small
+  kernels that a CPU step pays per call, not per row.
 * Vocabulary projection: ``final_norm`` then, by default, the target's own
   lm_head (shared, not saved): it is the largest matrix in the drafter and the
   target's already maps these features to tokens. With ``draft_vocab_size`` N
@@ -217,6 +224,7 @@ class DraftTokenMLP(nn.Module):
     def __init__(self, config: AmphistaConfig, linear: LinearFactory = plain_linear,
                  norm: NormFactory = plain_rms_norm):
         super().__init__()
+        self.reads_first_draft = config.draft_token_mlp_reads == "first"
         self.token_norm = norm(config.hidden_size, config.rms_norm_eps)
         self.up_proj = linear(2 * config.hidden_size, config.draft_token_mlp_size)
         self.down_proj = linear(config.draft_token_mlp_size, config.hidden_size)
@@ -277,12 +285,13 @@ class AutoEmbeddingBlock(nn.Module):
 
 
 def teacher_forced_drafts(next_token_ids: torch.Tensor, num_draft_heads: int,
-                          segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                          segment_ids: torch.Tensor | None = None, reads_first_draft: bool = False) -> torch.Tensor:
     """[B, T] x_{t+1} -> [B, T, K-1] x_{t+2}..x_{t+K}: the tokens heads 0..K-2 draft at t when they
-    are right, which heads 1..K-1 read; 0 past the sequence (or past a packed sample's end)."""
+    are right, which heads 1..K-1 read (with `reads_first_draft`, x_{t+2} for each: head 0's); 0 past
+    the sequence (or past a packed sample's end)."""
     seq_len = next_token_ids.shape[1]
     shifted = []
-    for shift in range(1, num_draft_heads):
+    for shift in [1] * (num_draft_heads - 1) if reads_first_draft else range(1, num_draft_heads):
         tokens = F.pad(next_token_ids[:, shift:], (0, min(shift, seq_len)))
         if segment_ids is not None:
             same = F.pad(segment_ids[:, shift:], (0, min(shift, seq_len))) == segment_ids
@@ -313,14 +322,21 @@ def draft_chain(
     """[N, K, H] head features -> ([N, K] each head's greedy token as a target id, [N, K] its
     log-probability, or None without `with_log_probs`). `project` maps features to
     draft-vocabulary logits, `embed` target ids to embeddings. With `draft_token_mlp` the chain is
-    drafted head by head, each head reading the token drafted before it; without it, in one
-    projection."""
+    drafted head by head, each head reading the token drafted before it, or head 0 then the rest at
+    once reading head 0's; without it, in one projection."""
     def to_target(token_ids: torch.Tensor) -> torch.Tensor:
         return token_ids if draft_to_target is None else draft_to_target[token_ids]
 
     if draft_token_mlp is None:
         token_ids, log_probs = greedy_tokens(project(heads), with_log_probs)
         return to_target(token_ids), log_probs
+    if draft_token_mlp.reads_first_draft:
+        first, first_log_probs = greedy_tokens(project(heads[:, 0]), with_log_probs)
+        first = to_target(first)
+        first_embeds = embed(first)[:, None].expand(-1, heads.shape[1] - 1, -1)
+        rest, rest_log_probs = greedy_tokens(project(draft_token_mlp(heads[:, 1:], first_embeds)), with_log_probs)
+        token_ids = torch.cat([first[:, None], to_target(rest)], dim=1)
+        return token_ids, torch.cat([first_log_probs[:, None], rest_log_probs], dim=1) if with_log_probs else None
     chain, chain_log_probs, previous = [], [], None
     for k in range(heads.shape[1]):
         head = heads[:, k]
@@ -603,7 +619,8 @@ class AmphistaDrafter(nn.Module):
         unchanged where the heads read no drafted tokens). `segment_ids` as `teacher_forced_drafts`."""
         if self.auto_embedding.draft_token_mlp is None:
             return heads
-        drafts = teacher_forced_drafts(next_token_ids, self.config.num_draft_heads, segment_ids)
+        drafts = teacher_forced_drafts(next_token_ids, self.config.num_draft_heads, segment_ids,
+                                       self.auto_embedding.draft_token_mlp.reads_first_draft)
         drafts = drafts[rows] if rows is not None else drafts.reshape(heads.shape[0], -1)
         return self.auto_embedding.read_drafts(heads, F.embedding(drafts, _embedding_weight(embed_tokens)))
 

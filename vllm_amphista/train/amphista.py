@@ -59,13 +59,15 @@ class AmphistaMethod(DraftMethod):
         config = self.drafter.config
         self.drafter.deepen(stage_layers or config.stage_num_layers, encoder_layers or config.encoder_num_layers)
 
-    def add_draft_token_mlp(self, size: int) -> None:
-        """Let heads that read no drafted tokens read them, starting from the same function."""
+    def add_draft_token_mlp(self, size: int, reads: str = "previous") -> None:
+        """Let heads that read no drafted tokens read them (`reads`: as `draft_token_mlp_reads`),
+        starting from the same function."""
         config = self.drafter.config
         if config.draft_token_mlp_size:
             raise ValueError(f"these heads read drafted tokens already (draft_token_mlp_size "
                              f"{config.draft_token_mlp_size})")
         config.draft_token_mlp_size = size
+        config.draft_token_mlp_reads = reads
         config.validate()
         block = self.drafter.auto_embedding
         block.draft_token_mlp = DraftTokenMLP(config).to(block.final_norm.weight.dtype)

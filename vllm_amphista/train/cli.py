@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, DEFAULT_MAX_CONTEXT, DEFAULT_MIN_COUNT, AnswerNgrams
+from vllm_amphista.configuration_amphista import DRAFT_TOKEN_MLP_READS
 from vllm_amphista.prompts import load_conversations, read_records
 from vllm_amphista.train import generate as generate_module
 from vllm_amphista.train import prompt_mix
@@ -60,6 +61,8 @@ FIT_HELP = {
     "mix_fraction": "share of the training samples drawn from --mix-data",
     "draft_token_mlp": "Amphista: inner size of an MLP through which heads 2..K read the token drafted before "
                        "them (0 = they do not; needs a draft vocabulary)",
+    "draft_token_mlp_reads": "which drafted token heads 2..K read: each the one drafted just before it (head by "
+                             "head), or all the first head's (two vocabulary passes in all)",
     "init_heads": "start from these heads (same method, their shape and vocabulary): fine-tuning",
     "max_output_tokens": "train on the leading samples up to this many output tokens (learning curves; "
                          "the held-out slice is unchanged)",
@@ -105,6 +108,7 @@ EVAL_HELP = {
     "eagle_steps": "chained steps to evaluate for EAGLE heads",
 }
 CHOICES = {"method": METHODS, "objective": OBJECTIVES, "precision": PRECISIONS, "compile": COMPILE_MODES,
+           "draft_token_mlp_reads": DRAFT_TOKEN_MLP_READS,
            **{name: sorted(DTYPES) for name in ("save_dtype", "generation_dtype")}}
 
 

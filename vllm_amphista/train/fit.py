@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_amphista.configuration_amphista import DRAFT_TOKEN_MLP_READS
 from vllm_amphista.cpu_dtype import has_native_units
 from vllm_amphista.prompts import DataError
 from vllm_amphista.train.amphista import AmphistaMethod
@@ -77,6 +78,7 @@ class FitOptions:
     train_lm_head: bool = False
     target_feature_layers: list[int] | None = None
     draft_token_mlp: int = 0
+    draft_token_mlp_reads: str = "previous"
     init_heads: str | None = None
     # Baselines
     medusa_layers: int = 1
@@ -130,6 +132,11 @@ class FitOptions:
             raise ValueError("--target-feature-layers applies to --method amphista and dflash only")
         if self.method == "dflash" and not self.target_feature_layers:
             raise ValueError("--method dflash reads several target layers: give --target-feature-layers")
+        if self.draft_token_mlp_reads not in DRAFT_TOKEN_MLP_READS:
+            raise ValueError(f"--draft-token-mlp-reads must be one of {DRAFT_TOKEN_MLP_READS}, "
+                             f"got {self.draft_token_mlp_reads!r}")
+        if self.draft_token_mlp_reads != "previous" and not self.draft_token_mlp:
+            raise ValueError("--draft-token-mlp-reads applies to heads with --draft-token-mlp")
         for flag, layers in (("--stage-layers", self.stage_layers), ("--encoder-layers", self.encoder_layers)):
             if layers is not None and layers < 1:
                 raise ValueError(f"{flag} must be >= 1, got {layers}")
@@ -191,6 +198,7 @@ def create_method(options: FitOptions, target, draft_to_target: torch.Tensor | N
         share_lm_head=not options.train_lm_head,
         target_feature_layers=options.target_feature_layers,
         draft_token_mlp_size=options.draft_token_mlp,
+        draft_token_mlp_reads=options.draft_token_mlp_reads,
     )
 
 
@@ -356,7 +364,7 @@ def fit(options: FitOptions) -> FitResult:
         if options.stage_layers or options.encoder_layers:
             method.deepen(options.stage_layers, options.encoder_layers)
         if options.draft_token_mlp:
-            method.add_draft_token_mlp(options.draft_token_mlp)
+            method.add_draft_token_mlp(options.draft_token_mlp, options.draft_token_mlp_reads)
         if options.draft_vocab_size:
             method.widen_draft_vocab(ranked_outputs(), target)
     else:
