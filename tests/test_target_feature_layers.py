@@ -163,7 +163,8 @@ report({"output": list(outputs[0].outputs[0].token_ids), "aux": runner.use_aux_h
     pytest.param("deep", True, id="deep"),
     pytest.param("draft-tokens", True, id="draft-tokens"),
     pytest.param("first-draft-tokens", True, id="first-draft-tokens"),
-    # A minute of compiling, for an option no shipped heads use.
+    # A minute of compiling, for the head-by-head form no shipped heads use (the shipped heads, which read
+    # the first head's token, are compared compiled in test_demo_target).
     pytest.param("draft-tokens", False, id="draft-tokens-compiled", marks=pytest.mark.slow),
 ])
 def test_vllm_drafts_from_the_targets_layers_as_the_reference_does(tiny_llama_dir, layered_heads, last_layer_heads,
