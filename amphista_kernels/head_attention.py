@@ -195,7 +195,7 @@ def bidirectional_head_attention_reference(q, k, v, num_valid=None, scale=None, 
     """Torch implementation; see the module docstring for the semantics.
 
     ``batched_matmul=False`` forms the two products as broadcast multiply-sums
-    instead of einsum's batched GEMMs: the same float32 arithmetic, which a
+    instead of batched GEMMs: the same float32 arithmetic, which a
     compiled graph fuses into its own kernels (at one request the two batched
     GEMM calls cost more than the rest of the attention). It materialises
     ``[B, K, K, H, D]``: for the few rows of inference, not for training."""
@@ -203,7 +203,8 @@ def bidirectional_head_attention_reference(q, k, v, num_valid=None, scale=None, 
     num_positions, dtype = q.shape[1], q.dtype
     q, k, v = q.float(), k.float(), v.float()
     if batched_matmul:
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
+        # matmul over [B, H, K, D] views: what einsum computes, with less dispatch at a few rows
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)
     else:
         scores = (q[:, :, None] * k[:, None]).sum(-1).permute(0, 3, 1, 2)
     scores = scores * _default_scale(q, scale)
@@ -216,7 +217,7 @@ def bidirectional_head_attention_reference(q, k, v, num_valid=None, scale=None, 
         # softmax over an all-masked row is NaN; such requests return zeros.
         probabilities = probabilities.masked_fill((num_valid <= 0)[:, None, None, None], 0.0)
     if batched_matmul:
-        out = torch.einsum("bhqk,bkhd->bqhd", probabilities, v)
+        out = (probabilities @ v.transpose(1, 2)).transpose(1, 2)
     else:
         out = (probabilities.permute(0, 2, 3, 1)[..., None] * v[:, None]).sum(2)
     return out.to(dtype)

@@ -155,7 +155,7 @@ def run_engine(target_dir, requests, speculative_config=None, extra_env=None, ti
                       speculative_config={speculative_config!r})
             params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
                                      stop_token_ids=r.get("stop_token_ids")) for r in requests]
-            token_ids, steps = generate_counting_steps(llm, [r["prompt_token_ids"] for r in requests], params)
+            token_ids, steps, _ = generate_counting_steps(llm, [r["prompt_token_ids"] for r in requests], params)
             spec = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()
                      if m.name.startswith("vllm:spec_decode")}}
             print("REPORT=" + json.dumps({{"token_ids": token_ids, "target_steps": steps, "spec": spec}}))

@@ -51,6 +51,13 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
             assert figure["tau"] >= 1, (label, category)
             assert figure["differing_prompts"] == 0, (label, category)  # float32: lossless
     assert all(figure["tau"] == 1 for figure in runs["vanilla"]["figures"].values())
+    for label in ("vanilla", "amphista"):  # each request's finish, within its generate call
+        for repeat in runs[label]["repeats"]:
+            for result in repeat.values():
+                assert len(result["request_seconds"]) == len(result["output_lengths"])
+                assert 0 < min(result["request_seconds"]) <= max(result["request_seconds"]) <= result["seconds"]
+    assert runs["vanilla"]["figures"]["all"]["latency_speedup"] == 1.0
+    assert runs["amphista"]["figures"]["all"]["latency_speedup"] > 0
     assert runs["amphista"]["figures"]["all"]["vllm_mean_acceptance_length"] is not None  # it drafted
     # Drafting off: speculation configured, nothing drafted, the same tokens.
     assert runs["amphista[K=0]"]["status"] == "ok"

@@ -50,8 +50,17 @@ def layered_dataset(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layered_heads(tiny_llama_dir, tmp_path_factory):
-    return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("layered_heads"), num_draft_heads=3,
-                              target_feature_layers=LAYERS)
+    """Layered heads whose streams' norm weights are far from one: the engine folds them into its
+    input matrix, which the drafts then depend on."""
+    heads = build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("layered_heads"), num_draft_heads=3,
+                               target_feature_layers=LAYERS)
+    drafter = AmphistaDrafter.from_pretrained(heads, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for norm in drafter.combine.norms:
+            norm.weight.uniform_(0.25, 2.0, generator=generator)
+    drafter.save_pretrained(heads, dtype=torch.float32)
+    return heads
 
 
 @pytest.fixture(scope="module")

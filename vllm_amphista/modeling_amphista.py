@@ -237,8 +237,9 @@ class DraftTokenMLP(nn.Module):
         _init_linear(self.down_proj, zero=True)
 
     def forward(self, heads: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        """[..., H] head features, [..., H] embeddings of the tokens drafted before them -> [..., H]."""
-        mixed = torch.cat([heads, self.token_norm(token_embeds.to(heads.dtype))], dim=-1)
+        """[..., H] head features, [..., H] embeddings of the tokens drafted before them (or one
+        embedding that broadcasts to every head, normalised once) -> [..., H]."""
+        mixed = torch.cat([heads, self.token_norm(token_embeds.to(heads.dtype)).expand_as(heads)], dim=-1)
         return heads + self.down_proj(self.act(self.up_proj(mixed)))
 
 
@@ -333,8 +334,8 @@ def draft_chain(
     if draft_token_mlp.reads_first_draft:
         first, first_log_probs = greedy_tokens(project(heads[:, 0]), with_log_probs)
         first = to_target(first)
-        first_embeds = embed(first)[:, None].expand(-1, heads.shape[1] - 1, -1)
-        rest, rest_log_probs = greedy_tokens(project(draft_token_mlp(heads[:, 1:], first_embeds)), with_log_probs)
+        rest = draft_token_mlp(heads[:, 1:], embed(first)[:, None])
+        rest, rest_log_probs = greedy_tokens(project(rest), with_log_probs)
         token_ids = torch.cat([first[:, None], to_target(rest)], dim=1)
         return token_ids, torch.cat([first_log_probs[:, None], rest_log_probs], dim=1) if with_log_probs else None
     chain, chain_log_probs, previous = [], [], None

@@ -42,6 +42,11 @@ What each figure is (per method x category x concurrency)
   than a plain decode step. seconds/step = tau / tok/s, hence
   step cost = tau / speedup and speedup = tau / step cost: a method pays off
   when its tau beats its step cost.
+- mean request latency: speedup: vanilla's mean request latency (from the
+  generate call's start to the request's last token) over this row's, median
+  over repeats. With several requests at once it is what a user waits for,
+  while tok/s is set by the request that finishes last: a method that speeds
+  up most requests but not the slowest gains here and not in tok/s.
 - outputs != vanilla: under greedy decoding, prompts whose output differs
   from vanilla's in the same repeat, with the first differing token index.
   Speculation must be lossless: in float32 this is 0. In bfloat16 it can be

@@ -117,6 +117,7 @@ class RunResult:
     seconds: float
     spec: SpecCounters
     target_steps: int  # target forward steps that produced tokens, summed over requests
+    request_seconds: list[float] = field(default_factory=list)  # per prompt: from the call's start to its finish
     step_times: StepTimes | None = None  # where each decode step's time went, when timed
 
     @classmethod
@@ -127,6 +128,7 @@ class RunResult:
             sum(result.seconds for result in results),
             sum((result.spec for result in results), SpecCounters()),
             sum(result.target_steps for result in results),
+            [seconds for result in results for seconds in result.request_seconds],
         )
 
     @property
@@ -136,6 +138,11 @@ class RunResult:
     @property
     def tokens_per_second(self) -> float:
         return self.generated / self.seconds
+
+    @property
+    def mean_request_seconds(self) -> float:
+        """What a request waits on average, from the call's start to its last token."""
+        return sum(self.request_seconds) / max(len(self.request_seconds), 1)
 
     @property
     def tau(self) -> float:
@@ -170,9 +177,11 @@ def make_engine(target: str, method: str, num_speculative_tokens: int, heads_dir
     )
 
 
-def generate_counting_steps(llm, prompt_token_ids: list[list[int]], params) -> tuple[list[list[int]], list[int]]:
+def generate_counting_steps(llm, prompt_token_ids: list[list[int]], params
+                            ) -> tuple[list[list[int]], list[int], list[float]]:
     """`llm.generate`, stepping the engine by hand: (output token ids, target
-    forward steps) per prompt. `params`: one SamplingParams or one per prompt."""
+    forward steps, seconds from the start to the request's finish) per prompt.
+    `params`: one SamplingParams or one per prompt."""
     engine = llm.llm_engine
     if not isinstance(params, list):
         params = [params] * len(prompt_token_ids)
@@ -182,6 +191,8 @@ def generate_counting_steps(llm, prompt_token_ids: list[list[int]], params) -> t
     row = {request_id: index for index, request_id in enumerate(request_ids)}
     outputs: list[list[int]] = [[] for _ in request_ids]
     steps = [0] * len(request_ids)
+    finished = [0.0] * len(request_ids)
+    start = time.perf_counter()
     while engine.has_unfinished_requests():
         for output in engine.step():
             index = row[output.request_id]
@@ -189,7 +200,9 @@ def generate_counting_steps(llm, prompt_token_ids: list[list[int]], params) -> t
             if len(token_ids) > len(outputs[index]):
                 steps[index] += 1
                 outputs[index] = list(token_ids)
-    return outputs, steps
+            if output.finished:
+                finished[index] = time.perf_counter() - start
+    return outputs, steps, finished
 
 
 _request_numbers = itertools.count()
@@ -203,9 +216,9 @@ def run_prompts(llm, prompt_token_ids: list[list[int]], max_tokens: int, tempera
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     before = SpecCounters.read(llm)
     start = time.perf_counter()
-    outputs, steps = generate_counting_steps(llm, prompt_token_ids, params)
+    outputs, steps, finished = generate_counting_steps(llm, prompt_token_ids, params)
     seconds = time.perf_counter() - start
-    return RunResult(outputs, seconds, SpecCounters.read(llm) - before, sum(steps))
+    return RunResult(outputs, seconds, SpecCounters.read(llm) - before, sum(steps), finished)
 
 
 # Tokens generated to warm an engine up before it is timed.

@@ -41,6 +41,7 @@ class Figures:
     speedup_min: float | None = None
     speedup_max: float | None = None
     step_cost: float | None = None
+    latency_speedup: float | None = None  # vanilla's mean request latency over this row's, median over repeats
     differing_prompts: int | None = None
     first_differing_token: int | None = None
     differing_question_ids: list = field(default_factory=list)
@@ -72,6 +73,8 @@ def compute_figures(row: MethodRun, vanilla: MethodRun | None, category: str, qu
     figures.speedup_median, figures.speedup_min, figures.speedup_max = (
         statistics.median(speedups), min(speedups), max(speedups))
     figures.step_cost = statistics.median(mine.tau / speedup for (mine, _), speedup in zip(pairs, speedups))
+    figures.latency_speedup = statistics.median(theirs.mean_request_seconds / mine.mean_request_seconds
+                                                for mine, theirs in pairs)
     if greedy:
         first_by_prompt: dict[int, int] = {}
         for mine, theirs in pairs:
@@ -125,7 +128,7 @@ def markdown_table(header: list[str], body: list[list[str]]) -> str:
 
 DETAIL_HEADER = ["method", "category", "tau (all steps)", "vLLM mean acc. len (steps with drafts)",
                  "acceptance by position", "tok/s", "speedup: median (min-max)", "step cost vs vanilla",
-                 "outputs != vanilla"]
+                 "mean request latency: speedup", "outputs != vanilla"]
 
 
 def detail_cells(label: str, category: str, figures: Figures, prompts: int, greedy: bool) -> list[str]:
@@ -133,6 +136,7 @@ def detail_cells(label: str, category: str, figures: Figures, prompts: int, gree
         label, category, f"{figures.tau:.2f}", format_optional(figures.vllm_mean_acceptance_length),
         " / ".join(f"{rate:.2f}" for rate in figures.acceptance_rate_per_position) or "-",
         f"{figures.tokens_per_second:.1f}", format_speedup(figures), format_optional(figures.step_cost, "x"),
+        format_optional(figures.latency_speedup, "x"),
         "reference" if label == "vanilla" else format_differences(figures, prompts, greedy),
     ]
 
@@ -267,7 +271,8 @@ def raw_record(concurrency: int, row: MethodRun, figures: dict | None, questions
         "repeats": [
             {category: {"seconds": result.seconds, "output_lengths": [len(ids) for ids in result.outputs],
                         "question_ids": [question.question_id for question in questions[category]],
-                        "target_steps": result.target_steps, "spec": asdict(result.spec)}
+                        "target_steps": result.target_steps, "request_seconds": result.request_seconds,
+                        "spec": asdict(result.spec)}
              for category, result in repeat.items()}
             for repeat in row.repeats
         ],

@@ -145,11 +145,13 @@ class AmphistaStages(nn.Module):
         # Replaced by the target's embedding when the proposer loads the drafter.
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # The runner concatenates the target layers' streams (vLLM's auxiliary hidden states). The
-        # reference drafter projects the normalised streams (combine.proj) and then fuses the result
-        # with the token's embedding (fuse); both are linear, so here one matrix does both
-        # (`load_weights` multiplies them out): one GEMM less, and fewer weights to read.
-        self.stream_norms = nn.ModuleList(_rms_norm(config.hidden_size, config.rms_norm_eps)
-                                          for _ in config.target_feature_layers or ())
+        # reference drafter normalises each stream (combine.norms), projects them (combine.proj) and
+        # fuses the result with the token's embedding (fuse); past the normalisation all of it is
+        # linear, so here one matrix does it (`load_weights` multiplies the norms' weights, the
+        # projection and fuse out): one GEMM less, fewer weights to read, and the streams
+        # normalised in one call over [N * n, H] with unit weights instead of one norm each.
+        self.stream_norm = (_rms_norm(config.hidden_size, config.rms_norm_eps)
+                            if config.target_feature_layers else None)
         fuse_in = config.feature_size + (config.hidden_size if config.use_sampled_token else 0)
         self.fuse = _replicated_linear(vllm_config)(fuse_in, config.hidden_size)
         num_stage_layers = NUM_STAGES * config.stage_num_layers if config.use_stages else 0
@@ -175,9 +177,9 @@ class AmphistaStages(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """input_ids[i] is the token sampled after hidden_states[i] ([N, H], or [N, n*H] for n target
         layers) -> [N, 2H] both stages' outputs."""
-        if self.stream_norms:
-            streams = hidden_states.split(self.config.hidden_size, dim=-1)
-            hidden_states = torch.cat([norm(stream) for norm, stream in zip(self.stream_norms, streams)], dim=-1)
+        if self.stream_norm is not None:
+            num_tokens = hidden_states.shape[0]
+            hidden_states = self.stream_norm(hidden_states.reshape(-1, self.config.hidden_size)).view(num_tokens, -1)
         if self.config.use_sampled_token:
             fused = self.fuse(torch.cat([self.embed_tokens(input_ids), hidden_states], dim=-1))
         else:
@@ -321,15 +323,18 @@ class AmphistaDrafterForVLLM(nn.Module):
         token_ids = token_ids[:, :num_tokens]
         return token_ids, None if log_confidence is None else log_confidence[:, :num_tokens].exp()
 
-    def _input_matrix(self, fuse: torch.Tensor, combine: torch.Tensor | None = None) -> torch.Tensor:
-        """The checkpoint's fuse ([H, H + H] with the token's embedding, else [H, H]) and combine.proj
-        ([H, n*H]) -> the one matrix of fuse([embedding,] combine.proj(streams)) over [embedding,]
-        streams, in float32 (rounded once, to the engine's dtype, when loaded)."""
+    def _input_matrix(self, fuse: torch.Tensor, combine: torch.Tensor | None = None,
+                      stream_norm_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The checkpoint's fuse ([H, H + H] with the token's embedding, else [H, H]), combine.proj
+        ([H, n*H]) and the n streams' norm weights ([H] each) -> the one matrix of
+        fuse([embedding,] combine.proj(w * unit-weight-normalised streams)) over [embedding,]
+        unit-weight-normalised streams, in float32 (rounded once, to the engine's dtype, when loaded)."""
         if combine is None:
             return fuse
         hidden_size = self.config.hidden_size
         fuse = fuse.float()
-        return torch.cat([fuse[:, :-hidden_size], fuse[:, -hidden_size:] @ combine.float()], dim=1)
+        streams = fuse[:, -hidden_size:] @ (combine.float() * torch.cat(stream_norm_weights).float())
+        return torch.cat([fuse[:, :-hidden_size], streams], dim=1)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
@@ -340,7 +345,7 @@ class AmphistaDrafterForVLLM(nn.Module):
         input_matrices: dict[str, torch.Tensor] = {}  # multiplied out into model.fuse below
         for name, tensor in weights:
             shard = None
-            if name in ("fuse.weight", "combine.proj.weight"):
+            if name in ("fuse.weight", "combine.proj.weight") or name.startswith("combine.norms."):
                 input_matrices[name] = tensor
                 continue
             if name.startswith("stages."):
@@ -350,8 +355,6 @@ class AmphistaDrafterForVLLM(nn.Module):
                     if hf_name in name:
                         name, shard = name.replace(hf_name, vllm_name), shard_id
                         break
-            elif name.startswith("combine.norms."):
-                name = f"model.stream_{name.removeprefix('combine.')}"
             elif name not in ("lm_head.weight", "draft_to_target"):
                 name = f"heads.block.{name}"
             if name not in params:
@@ -363,14 +366,20 @@ class AmphistaDrafterForVLLM(nn.Module):
             else:
                 weight_loader(param, tensor, shard)
             loaded.add(name)
-        expected = {"fuse.weight"} | ({"combine.proj.weight"} if self.config.target_feature_layers else set())
+        num_streams = len(self.config.target_feature_layers or ())
+        stream_norm_names = [f"combine.norms.{index}.weight" for index in range(num_streams)]
+        expected = {"fuse.weight"} | ({"combine.proj.weight", *stream_norm_names} if num_streams else set())
         if set(input_matrices) - expected:
             raise ValueError(f"Amphista checkpoint has an unexpected tensor {sorted(set(input_matrices) - expected)}")
         if set(input_matrices) == expected:
             param = params["model.fuse.weight"]
             getattr(param, "weight_loader", default_weight_loader)(
-                param, self._input_matrix(input_matrices["fuse.weight"], input_matrices.get("combine.proj.weight")))
+                param, self._input_matrix(input_matrices["fuse.weight"], input_matrices.get("combine.proj.weight"),
+                                          [input_matrices[name] for name in stream_norm_names]))
             loaded.add("model.fuse.weight")
+        if self.model.stream_norm is not None:  # its weights are in model.fuse: it only normalises
+            self.model.stream_norm.weight.data.fill_(1.0)
+            loaded.add("model.stream_norm.weight")
         # The embedding is the target's, shared after loading.
         missing = ({n for n in params if not n.startswith("model.embed_tokens")} - loaded - {"model.fuse.weight"}
                    | expected - set(input_matrices))
