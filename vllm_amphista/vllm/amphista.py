@@ -323,8 +323,8 @@ class AmphistaDrafterForVLLM(nn.Module):
         token_ids = token_ids[:, :num_tokens]
         return token_ids, None if log_confidence is None else log_confidence[:, :num_tokens].exp()
 
-    def _input_matrix(self, fuse: torch.Tensor, combine: torch.Tensor | None = None,
-                      stream_norm_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _input_matrix(self, fuse: torch.Tensor, combine: torch.Tensor | None,
+                      stream_norm_weights: list[torch.Tensor]) -> torch.Tensor:
         """The checkpoint's fuse ([H, H + H] with the token's embedding, else [H, H]), combine.proj
         ([H, n*H]) and the n streams' norm weights ([H] each) -> the one matrix of
         fuse([embedding,] combine.proj(w * unit-weight-normalised streams)) over [embedding,]
