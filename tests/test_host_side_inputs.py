@@ -101,7 +101,8 @@ def test_host_side_inputs_equal_vllms(seed):
 def _first_pass_stand_in(num_tokens: int, hidden_size: int):
     """What `set_inputs_first_pass` and `_set_kept_inputs` read and write of a proposer."""
     stand_in = SimpleNamespace(
-        input_ids=torch.zeros(num_tokens + 8, dtype=torch.int32), positions=torch.zeros(num_tokens + 8, dtype=torch.int64),
+        input_ids=torch.zeros(num_tokens + 8, dtype=torch.int32),
+        positions=torch.zeros(num_tokens + 8, dtype=torch.int64),
         hidden_states=torch.zeros(num_tokens + 8, hidden_size), needs_extra_input_slots=False,
         use_heterogeneous_vocab=False, target_uses_mrope=False)
     stand_in._set_positions = lambda count, positions: AmphistaProposer._set_positions(stand_in, count, positions)
