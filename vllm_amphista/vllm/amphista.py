@@ -598,8 +598,8 @@ class AmphistaProposer(EagleProposer):
                          target_positions: torch.Tensor, target_hidden_states: torch.Tensor,
                          token_indices_to_sample: torch.Tensor, cad, num_rejected_tokens_gpu: torch.Tensor):
         """vLLM's `set_inputs_first_pass` (a row's input is the token after it, a request's last row's the
-        token just sampled) without the rows of rejected drafts (the last `num_rejected[i]` of request i's
-        rows) -> (num_tokens, each request's last row, cad for the rows kept). Lossless: no kept row
+        token just sampled) without the rows of rejected drafts (the last `num_rejected_tokens_gpu[i]` of
+        request i's rows) -> (num_tokens, each request's last row, cad for the rows kept). Lossless: no kept row
         attends to a dropped one, and the dropped positions are scheduled, and their KV written, again
         next step. Plain Python over the step's few requests, and only the kept rows copied: right after
         the target's forward every small tensor or numpy op costs 10-20 us here (cold caches)."""
