@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from vllm_amphista.checkpoint import WEIGHTS_NAME
 from vllm_amphista.configuration_amphista import AmphistaConfig
-from vllm_amphista.modeling_amphista import AmphistaDrafter, AutoEmbeddingBlock, draft_logits
+from vllm_amphista.modeling_amphista import AmphistaDrafter, AutoEmbeddingBlock, draft_logits, greedy_tokens
 from vllm_amphista.train.batch import causal_attention_mask
 
 HIDDEN, VOCAB, HEADS = 128, 320, 4
@@ -419,3 +419,24 @@ def test_target_features_are_the_residual_streams_vllm_hands_drafters():
         assert torch.equal(features[..., :64], outputs.hidden_states[1])
         assert torch.allclose(target.model.norm(features[..., 64:]), outputs.last_hidden_state, atol=1e-6)
         assert not torch.allclose(features[..., 64:], outputs.last_hidden_state)
+
+
+@pytest.mark.parametrize("with_log_probs", [False, True])
+def test_greedy_tokens_compiled_for_the_cpu_are_eager_max(with_log_probs):
+    # In an Inductor graph on the CPU the argmax is two reductions; it must pick what `max` picks,
+    # the first of tied maxima included, and the same log-probabilities.
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 8192).to(torch.bfloat16)
+    logits[0, 0, [7, 900, 8191]] = 9.0  # a three-way tie: the first wins
+    logits[1, 2, -1] = 9.0  # the last index
+    logits[2, 1] = logits[2, 1].max()  # every entry the maximum
+    compiled = torch.compile(greedy_tokens, backend="inductor", fullgraph=True, dynamic=False)
+    token_ids, log_probs = compiled(logits, with_log_probs)
+    eager_ids, eager_log_probs = greedy_tokens(logits, with_log_probs)
+    assert torch.equal(token_ids, logits.max(dim=-1).indices)
+    assert torch.equal(token_ids, eager_ids)
+    assert token_ids[0, 0] == 7 and token_ids[1, 2] == 8191 and token_ids[2, 1] == 0
+    if with_log_probs:
+        torch.testing.assert_close(log_probs, eager_log_probs)
+    else:
+        assert log_probs is None and eager_log_probs is None
