@@ -20,7 +20,7 @@ chance of being accepted (the product of the drafter's confidences up to it)
 is below what verifying it costs: a step expected to yield A tokens in T
 seconds yields more per second with one token more, accepted with chance p,
 only if (A + p) / (T + dT) > A / T, that is p > A * dT / T, dT being what one
-token more adds to the step (`min_acceptance`). So the same drafter verifies
+token more adds to the step (`min_acceptance`, from the step's last token). So the same drafter verifies
 its weaker guesses where a verified token is nearly free (one request, weights
 read once) and stops before them where it is dear (full cores, or a CPU whose
 kernels pay for every row).
@@ -189,15 +189,12 @@ class AdaptiveDraftLength:
         """The least chance of acceptance at which one more draft token pays for its verification
         in a step of batch_size requests drafting up to k tokens; 0 before any step was timed."""
         verified, accepted = self.acceptance.expected(k)
-        drafted = batch_size * verified
-        without_drafts = self.cost.predict(batch_size)
-        if without_drafts is None:
+        num_tokens = batch_size * (1.0 + verified)
+        # The last token's share of the step, not the next one's: that stays inside the timed sizes.
+        seconds, without_last = self.cost.predict(num_tokens), self.cost.predict(num_tokens - 1)
+        if seconds is None:
             return 0.0
-        # A draft token's cost: the step's drafts' average (inside the timed sizes, where the next
-        # token past them may not be), or the first one's when hardly any are expected.
-        span = max(drafted, 1.0)
-        per_token = (self.cost.predict(batch_size + span) - without_drafts) / span
-        return max(0.0, batch_size * (1.0 + accepted) * per_token / self.cost.predict(batch_size + drafted))
+        return max(0.0, batch_size * (1.0 + accepted) * (seconds - without_last) / seconds)
 
     def __getitem__(self, batch_size: int) -> int:
         k = self.best(batch_size)
@@ -212,15 +209,12 @@ class AdaptiveDraftLength:
 
     def summary(self) -> str:
         """One line for a log: the K chosen at each batch size since the last summary (the counts
-        then restart) and the price of a draft token there, acceptance by draft position, and the
-        learned step times."""
+        then restart), acceptance by draft position, and the learned step times."""
         by_batch: dict[int, dict[int, int]] = {}
         for (batch_size, k), count in sorted(self._recent_choices.items()):
             by_batch.setdefault(batch_size, {})[k] = count
         self._recent_choices.clear()
-        # With each batch size, the price of a draft token at its most chosen K.
         choices = "; ".join(f"batch {batch_size}: " + ", ".join(f"K={k} x{count}" for k, count in counts.items())
-                            + f" (min acceptance {self.min_acceptance(batch_size, max(counts, key=counts.get)):.3f})"
                             for batch_size, counts in by_batch.items()) or "none"
         acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance.acceptance_by_position())
         steps = ", ".join(f"{size}: {1000 * self.cost.predict(size):.1f}" for size in self.cost.sizes) or "none timed"
