@@ -105,25 +105,3 @@ def test_summary_counts_the_choices_since_the_last_one():
     assert "batch 1: K=0 x1; batch 2: K=0 x3" in summary
     assert "acceptance by position [0.50, 0.50, 0.50, 0.50]" in summary and "1: 10.0" in summary
     assert "draft length chosen (none)" in controller.summary()
-
-
-def test_price_of_a_draft_token_is_what_verifying_it_costs_in_tokens():
-    controller = AdaptiveDraftLength(max_k=4, explore_every=0)
-    assert controller.min_acceptance(1, 1) == 0.0  # nothing timed: every token is drafted
-    controller.cost.calibrate({n: 0.010 + 0.001 * (n - 1) for n in range(1, 6)})
-    # K=1 with the prior's acceptance of 0.5: a step verifies 2 tokens in 11 ms for 1.5 tokens
-    # expected; a token adds 1 ms, so it pays from a chance of 1.5 * 1 / 11.
-    assert controller.min_acceptance(1, 1) == pytest.approx(1.5 * 0.001 / 0.011)
-
-
-def test_price_is_low_where_verification_is_free_and_high_where_the_cores_are_full():
-    cheap = AdaptiveDraftLength(max_k=4, explore_every=0)
-    cheap.cost.calibrate({n: 0.010 + 0.00025 * n for n in range(1, 6)})
-    assert cheap.min_acceptance(1, 4) < 0.05
-    full = AdaptiveDraftLength(max_k=4, explore_every=0)
-    full.cost.calibrate({n: 0.010 + 0.002 * n for n in range(1, 81)})  # weights read once, then compute bound
-    assert full.min_acceptance(16, 4) > 0.3
-    assert full.min_acceptance(16, 4) > full.min_acceptance(4, 4)
-    flat = AdaptiveDraftLength(max_k=4, explore_every=0)
-    flat.cost.calibrate({1: 0.012, 2: 0.011, 5: 0.013})  # noisy timings: never a negative price
-    assert flat.min_acceptance(1, 1) == 0.0

@@ -15,16 +15,6 @@ confidence head), P_i the chance that drafted position i is accepted
 (product of per-position acceptance), and T(n) the step time for n tokens
 verified. K=0 wins when no draft pays.
 
-Within the K chosen, each request's draft stops at the first token whose
-chance of being accepted (the product of the drafter's confidences up to it)
-is below what verifying it costs: a step expected to yield A tokens in T
-seconds yields more per second with one token more, accepted with chance p,
-only if (A + p) / (T + dT) > A / T, that is p > A * dT / T, dT being what one
-token more adds to the step (`min_acceptance`, from the step's last token). So the same drafter verifies
-its weaker guesses where a verified token is nearly free (one request, weights
-read once) and stops before them where it is dear (full cores, or a CPU whose
-kernels pay for every row).
-
 T starts from a table timed at engine start-up (the target's forward and
 logits, and the drafter's stages, for 1..K+1 tokens per request at a few
 batch sizes), so the first requests do not pay for exploring an empty table.
@@ -184,17 +174,6 @@ class AdaptiveDraftLength:
         if seconds is None:
             return None
         return batch_size * (1.0 + accepted) / seconds
-
-    def min_acceptance(self, batch_size: int, k: int) -> float:
-        """The least chance of acceptance at which one more draft token pays for its verification
-        in a step of batch_size requests drafting up to k tokens; 0 before any step was timed."""
-        verified, accepted = self.acceptance.expected(k)
-        num_tokens = batch_size * (1.0 + verified)
-        # The last token's share of the step, not the next one's: that stays inside the timed sizes.
-        seconds, without_last = self.cost.predict(num_tokens), self.cost.predict(num_tokens - 1)
-        if seconds is None:
-            return 0.0
-        return max(0.0, batch_size * (1.0 + accepted) * (seconds - without_last) / seconds)
 
     def __getitem__(self, batch_size: int) -> int:
         k = self.best(batch_size)

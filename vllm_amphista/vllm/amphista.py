@@ -72,6 +72,10 @@ from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
 from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, draft_chain, greedy_tokens
 from vllm_amphista.vllm.config import draft_length_mode
 
+# With a load-aware draft length, a request's draft stops where the product of its heads'
+# probabilities for their own tokens falls below this: unlikely tokens are not verified for nothing.
+MIN_DRAFT_CONFIDENCE = 0.1
+
 # How many positions a request's stages may fall behind on steps that draft nothing before they
 # catch up anyway: bounds the catch-up pass and the stored inputs.
 MAX_DEFERRED_POSITIONS = 32
@@ -431,10 +435,6 @@ class AmphistaProposer(EagleProposer):
                                 and not vllm_config.scheduler_config.async_scheduling)
         # Whether the heads' chains come with each head's probability of its token.
         self.with_confidence = self.truncate_drafts
-        # Set before each step's drafting (patch 5): with a load-aware draft length, where a
-        # request's draft stops (the product of its heads' probabilities for their own tokens below
-        # draft_length.AdaptiveDraftLength.min_acceptance); 0 keeps every head's token.
-        self.min_acceptance = 0.0
         parallel = vllm_config.parallel_config
         # With data or context parallelism a rank that skips its stages would leave the others
         # waiting in the pass's collectives.
@@ -532,7 +532,7 @@ class AmphistaProposer(EagleProposer):
             return token_ids
         if not num_speculative_tokens:
             return [[] for _ in range(token_ids.shape[0])]
-        lengths = (confidence.cumprod(dim=1) >= self.min_acceptance).sum(dim=1).tolist()
+        lengths = (confidence.cumprod(dim=1) >= MIN_DRAFT_CONFIDENCE).sum(dim=1).tolist()
         return [row[:length] for row, length in zip(token_ids.tolist(), lengths)]
 
     def drop_finished(self, req_ids) -> None:

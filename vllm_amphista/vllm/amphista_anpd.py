@@ -26,8 +26,9 @@ import torch
 from vllm_amphista.anpd import confident_prefix
 from vllm_amphista.answer_ngrams import load_from_dir
 from vllm_amphista.hybrid import hybrid_draft
-from vllm_amphista.vllm.amphista import AmphistaProposer
+from vllm_amphista.vllm.amphista import MIN_DRAFT_CONFIDENCE, AmphistaProposer
 from vllm_amphista.vllm.anpd import RequestTables
+from vllm_amphista.vllm.config import draft_length_mode
 
 
 class AmphistaAnpdProposer(AmphistaProposer):
@@ -35,6 +36,8 @@ class AmphistaAnpdProposer(AmphistaProposer):
         super().__init__(vllm_config, device, runner)
         # Where the heads dir ships the target's answer n-grams, the tables fall back on them.
         self.tables = RequestTables(vllm_config, load_from_dir(vllm_config.speculative_config.model))
+        adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
+        self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._heads_chains: dict[str, list[tuple[int, float]]] = {}
         self._lengths: dict[str, int] = {}  # requests that gained tokens this step -> their length
@@ -83,7 +86,7 @@ class AmphistaAnpdProposer(AmphistaProposer):
     def _final_draft(self, req_id: str, chain: list[tuple[int, float]], room: int) -> list[int]:
         drafter = self.tables.drafter
         scored = hybrid_draft(chain, lambda n, prefix: drafter.scored_draft(req_id, n, prefix), room)
-        return confident_prefix(scored, self.min_acceptance)
+        return confident_prefix(scored, self.min_confidence)
 
     def drop_finished(self, req_ids) -> None:
         super().drop_finished(req_ids)

@@ -28,10 +28,13 @@ import torch
 
 from vllm_amphista.anpd import AnpdDrafter
 from vllm_amphista.answer_ngrams import AnswerNgrams, load_from_dir
-from vllm_amphista.vllm.config import anpd_answer_ngrams_dir
+from vllm_amphista.vllm.config import anpd_answer_ngrams_dir, draft_length_mode
 
 # Contexts kept per request: a 4k-token request needs about 5 x 4k at N=6.
 MAX_CONTEXTS_PER_REQUEST = 65536
+# With a load-aware draft length, a request's draft stops where the n-gram chain's confidence
+# (anpd.NgramTables._predict) falls below this: weak matches are not verified for nothing.
+MIN_DRAFT_CONFIDENCE = 0.1
 
 
 class RequestTables:
@@ -109,10 +112,8 @@ class AnpdProposer:
         self.runner = runner
         answer_ngrams = load_from_dir(anpd_answer_ngrams_dir(vllm_config.speculative_config.model))
         self.tables = RequestTables(vllm_config, answer_ngrams)
-        # Set before each step's drafting (patch 5): with a load-aware draft length, where a
-        # request's draft stops (the n-gram chain's confidence, anpd.NgramTables._predict, below
-        # draft_length.AdaptiveDraftLength.min_acceptance); 0 drafts every match.
-        self.min_acceptance = 0.0
+        adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
+        self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         # Async scheduling only: the requests that gained tokens this step -> their length; each
         # request's last token and count of valid sampled tokens, for vLLM's next step; and the
@@ -131,7 +132,7 @@ class AnpdProposer:
         for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             # A prefill chunk, K=0 this step, or no room left: no draft.
             room = self.tables.sync_for_draft(input_batch, row, req_id, num_speculative_tokens) if sampled else 0
-            drafts.append(self.tables.drafter.draft(req_id, room, self.min_acceptance) if room > 0 else [])
+            drafts.append(self.tables.drafter.draft(req_id, room, self.min_confidence) if room > 0 else [])
         return drafts
 
     def _propose_padded(self, k: int, input_batch) -> torch.Tensor:
@@ -141,7 +142,7 @@ class AnpdProposer:
         for row, req_id in enumerate(input_batch.req_ids):
             length = self._lengths.get(req_id)
             room = min(k, self.tables.max_model_len - length) if length else 0
-            draft = self.tables.drafter.draft(req_id, room, self.min_acceptance) if room > 0 else []
+            draft = self.tables.drafter.draft(req_id, room, self.min_confidence) if room > 0 else []
             if draft:
                 drafts[row, :len(draft)] = torch.tensor(draft)
                 self.draft_lengths[req_id] = len(draft)

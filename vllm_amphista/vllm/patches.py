@@ -87,10 +87,7 @@ The patches:
    table with `draft_length.AdaptiveDraftLength` (read the same way,
    `lookup[batch_size]`), and `Scheduler.schedule` / `update_from_output` feed
    it each decode step's wall time and accepted tokens (with VLLM_LOGGING_LEVEL=DEBUG,
-   a line every 10 s says which K it chose at which batch size). `schedule` also
-   sets the controller's `min_acceptance` for the step on its output, which patch
-   5's `propose_draft_token_ids` hands our drafters: each request's draft stops
-   where verifying its next token costs more than it is likely to earn. A user's own
+   a line every 10 s says which K it chose at which batch size). A user's own
    `num_speculative_tokens_per_batch_size` is left to vLLM.
 12. `EngineCore.__init__`, once the engine is built (KV cache, warm-up,
    scheduler): for the load-aware draft length, times the worker's own dummy
@@ -149,9 +146,6 @@ _CONFIG_STAND_IN = {"amphista": "draft_model", "anpd": "ngram", "amphista_anpd":
 # MedusaProposer's constructor only records sizes: the cheapest built-in
 # drafter to let the runner build before ours replaces it.
 _RUNNER_STAND_IN = "medusa"
-# Set on a step's SchedulerOutput by the load-aware draft length (patch 11): the least chance of
-# acceptance a draft token of that step must have to be verified.
-MIN_ACCEPTANCE_FIELD = "amphista_min_draft_acceptance"
 
 
 class VllmInternalsChanged(RuntimeError):
@@ -357,8 +351,6 @@ def _dispatch_anpd_proposals() -> None:
     def make_propose_wrapper(original):
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
             method = self.speculative_config.method
-            if hasattr(self.drafter, "min_acceptance"):
-                self.drafter.min_acceptance = getattr(scheduler_output, MIN_ACCEPTANCE_FIELD, 0.0)
             if method == "anpd":
                 return self.drafter.propose(
                     scheduler_output.num_spec_tokens_to_schedule,
@@ -405,13 +397,10 @@ def _dispatch_anpd_proposals() -> None:
         # The scheduler reads its output again when the step's result comes back: trim a copy.
         def execute_model(self, scheduler_output, *args, **kwargs):
             if _trims_drafts(self):
-                trimmed = dataclasses.replace(
+                scheduler_output = dataclasses.replace(
                     scheduler_output,
                     num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
                     scheduled_spec_decode_tokens=dict(scheduler_output.scheduled_spec_decode_tokens))
-                if hasattr(scheduler_output, MIN_ACCEPTANCE_FIELD):  # not a field: replace() drops it
-                    setattr(trimmed, MIN_ACCEPTANCE_FIELD, getattr(scheduler_output, MIN_ACCEPTANCE_FIELD))
-                scheduler_output = trimmed
             return original(self, scheduler_output, *args, **kwargs)
 
         return execute_model
@@ -699,12 +688,8 @@ def _load_aware_draft_length() -> None:
     def make_schedule_wrapper(original):
         def schedule(self, *args, **kwargs):
             output = original(self, *args, **kwargs)
-            controller = self.dynamic_sd_lookup
-            if isinstance(controller, AdaptiveDraftLength):
+            if isinstance(self.dynamic_sd_lookup, AdaptiveDraftLength):
                 self._amphista_step_started[id(output)] = time.perf_counter()
-                # Travels with the step to the workers, whose drafters cut each request's draft by it.
-                setattr(output, MIN_ACCEPTANCE_FIELD, controller.min_acceptance(
-                    len(output.num_scheduled_tokens), output.num_spec_tokens_to_schedule))
             return output
 
         return schedule
