@@ -14,11 +14,16 @@ Greedy decoding: in float32 every method prints exactly the plain answers.
 
 Each engine is vLLM's default engine (engine core in its own process) in a
 subprocess of its own, eager unless --engine compiled (compiling costs minutes
-per engine on a 2-core CPU).
+per engine on a 2-core CPU). Plain decoding's engine stays up throughout, and
+each row answers right after it (`--repeats` such pairs): a drift in the
+machine's speed between rows, minutes apart, does not land in a row's speedup,
+the median over its pairs of its tok/s over plain decoding's. (Seven engines
+at once would not fit in 24 GiB.)
 """
 
 import argparse
 import os
+import statistics
 
 PROMPTS = [
     "Explain in three sentences why the sky looks blue.",
@@ -41,7 +46,11 @@ def main() -> None:
     parser.add_argument("--engine", choices=("eager", "compiled"), default="eager")
     parser.add_argument("--engine-core", choices=("separate", "in-process"), default="separate",
                         help="separate: vLLM's default; in-process: faster start-up, for quick runs")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed (plain decoding, row) pairs per row (default: %(default)s)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     from transformers import AutoTokenizer
 
@@ -74,35 +83,50 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in PROMPTS]
-    results = {}
-    for label, method, row_dtype, model_dir in rows:
+
+    def build(label, method, row_dtype, model_dir):
         print(f"building {label} ({row_dtype}) ...", flush=True)
         engine_args = dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
                            heads_dir=model_dir, dtype=row_dtype,
                            max_model_len=1024, enforce_eager=args.engine == "eager")
-        try:
-            engine = EngineProcess(engine_args, prompt_ids[0], engine_core=args.engine_core)
-        except EngineFailed as error:
-            print(f"{label}: {error}")
-            continue
-        try:
-            results[label] = engine.run(prompt_ids, args.max_tokens, 0.0)
-        finally:
-            engine.close()
+        return EngineProcess(engine_args, prompt_ids[0], engine_core=args.engine_core)
 
-    vanilla = results["vanilla"]
+    # Per row: (its run, plain decoding's run just before it), one pair per repeat.
+    pairs: dict[str, list[tuple]] = {}
+    plain = build(*rows[0])
+    try:
+        for row in rows[1:]:
+            try:
+                engine = build(*row)
+            except EngineFailed as error:
+                print(f"{row[0]}: {error}")
+                continue
+            try:
+                for _ in range(args.repeats):
+                    before = plain.run(prompt_ids, args.max_tokens, 0.0)
+                    pairs.setdefault(rows[0][0], []).append((before, before))
+                    pairs.setdefault(row[0], []).append((engine.run(prompt_ids, args.max_tokens, 0.0), before))
+            finally:
+                engine.close()
+    finally:
+        plain.close()
+
+    vanilla = pairs["vanilla"][0][0]
     print("\n=== answers (greedy, plain decoding) ===")
     for prompt, ids in zip(PROMPTS, vanilla.outputs):
         print(f"\n> {prompt}\n{tokenizer.decode(ids, skip_special_tokens=True)}")
-    print(f"\n=== speed: one request at a time, {engine_label(args.engine, args.engine_core)}, this machine ===")
+    print(f"\n=== speed: one request at a time, {engine_label(args.engine, args.engine_core)}, this machine; "
+          f"each row timed right after plain decoding, median of {args.repeats} ===")
     print(f"{'method':<32}{'dtype':>10}{'tok/s':>8}{'speedup':>9}{'tau':>7}   same answers as plain {dtype}")
     for label, _, row_dtype, _ in rows:
-        if label not in results:
+        if label not in pairs:
             continue
-        result = results[label]
+        result = pairs[label][0][0]
+        tokens_per_second = statistics.median(run.tokens_per_second for run, _ in pairs[label])
+        speedup = statistics.median(run.tokens_per_second / before.tokens_per_second for run, before in pairs[label])
         same = sum(a == b for a, b in zip(result.outputs, vanilla.outputs))
-        print(f"{label:<32}{row_dtype:>10}{result.tokens_per_second:>8.1f}"
-              f"{result.tokens_per_second / vanilla.tokens_per_second:>8.2f}x{result.tau:>7.2f}   {same}/{len(PROMPTS)}")
+        print(f"{label:<32}{row_dtype:>10}{tokens_per_second:>8.1f}"
+              f"{speedup:>8.2f}x{result.tau:>7.2f}   {same}/{len(PROMPTS)}")
     print(f"speedup: over plain decoding in {dtype}. tau = generated tokens / target forward steps (1.00 without "
           "speculation). In float32 speculative answers equal the plain ones token for token; in bf16 rounding can "
           "make them drift after many tokens.")
