@@ -93,6 +93,7 @@ def main() -> None:
 
     # Per row: (its run, plain decoding's run just before it), one pair per repeat.
     pairs: dict[str, list[tuple]] = {}
+    plain_runs = []
     plain = build(*rows[0])
     try:
         for row in rows[1:]:
@@ -103,15 +104,17 @@ def main() -> None:
                 continue
             try:
                 for _ in range(args.repeats):
-                    before = plain.run(prompt_ids, args.max_tokens, 0.0)
-                    pairs.setdefault(rows[0][0], []).append((before, before))
-                    pairs.setdefault(row[0], []).append((engine.run(prompt_ids, args.max_tokens, 0.0), before))
+                    plain_runs.append(plain.run(prompt_ids, args.max_tokens, 0.0))
+                    pairs.setdefault(row[0], []).append((engine.run(prompt_ids, args.max_tokens, 0.0), plain_runs[-1]))
             finally:
                 engine.close()
+        if not plain_runs:  # no other row built
+            plain_runs.append(plain.run(prompt_ids, args.max_tokens, 0.0))
     finally:
         plain.close()
+    pairs[rows[0][0]] = [(run, run) for run in plain_runs]
 
-    vanilla = pairs["vanilla"][0][0]
+    vanilla = plain_runs[0]
     print("\n=== answers (greedy, plain decoding) ===")
     for prompt, ids in zip(PROMPTS, vanilla.outputs):
         print(f"\n> {prompt}\n{tokenizer.decode(ids, skip_special_tokens=True)}")
