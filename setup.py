@@ -16,7 +16,10 @@ setup(
     version="0.1.0",
     description="Amphista (parallel drafting heads) and ANPD speculative decoding for vLLM",
     packages=find_packages(include=["vllm_amphista", "vllm_amphista.*", "amphista_kernels", "amphista_kernels.*"]),
-    package_data={"vllm_amphista": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.npz"]},
+    package_data={
+        "vllm_amphista": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.npz"],
+        "amphista_kernels": ["*.cpp"],
+    },
     python_requires=">=3.10",
     install_requires=["safetensors", "tqdm", "numpy"],
     extras_require={
