@@ -140,3 +140,31 @@ if __name__ == "__main__":
 """
     report = report_of(run_python(probe, extra_env={"VLLM_AMPHISTA_SMALL_M_GEMM": "0"}, timeout=300))
     assert report == {"patched": False}
+
+
+def test_without_a_compiler_vllms_gemms_stay():
+    probe = """
+import json
+import torch
+from vllm.plugins import load_general_plugins
+if __name__ == "__main__":
+    load_general_plugins()
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers import utils
+    from amphista_kernels import small_m_gemm
+
+    def no_compiler():
+        raise RuntimeError("g++: not found")
+
+    small_m_gemm.load = no_compiler
+    layer = torch.nn.Module()
+    weight = torch.randn(64, 32)
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    x = torch.randn(3, 32)
+    y = layer.cpu_linear(x, layer.weight, None)
+    print("REPORT=" + json.dumps({"onednn": torch.equal(y, ops.onednn_mm(ops.create_onednn_mm(weight.t(), 32), x, None))}))
+"""
+    completed = run_python(probe, timeout=300)
+    assert report_of(completed) == {"onednn": True}
+    assert "did not build" in completed.stderr + completed.stdout
