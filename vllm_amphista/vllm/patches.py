@@ -961,8 +961,8 @@ def _use_panel_gemm(layer, remove_weight: bool) -> None:
     n = weight.size(0)
     packed = small_m_gemm.pack_panels(weight.detach())
     onednn = ops.create_onednn_mm(weight.t(), 32)
-    layer.cpu_linear = lambda x, weight, bias: torch.ops.amphista_kernels.panel_linear(
-        x, packed, bias, n, SMALL_M_GEMM_MAX_ROWS, "_C::onednn_mm", onednn.handler_tensor
+    layer.cpu_linear = lambda x, weight, bias: small_m_gemm.panel_linear(
+        x, packed, n, bias, SMALL_M_GEMM_MAX_ROWS, "_C::onednn_mm", onednn.handler_tensor
     )
     # The closure keeps `onednn` alive: its destructor frees oneDNN's packed weight.
     if remove_weight:
