@@ -209,11 +209,15 @@ def run_python(script: str, extra_env: dict | None = None, timeout: float = 600)
     can tell whether it left any behind.
     """
     env = {**os.environ, **VLLM_CPU_TEST_ENV, **(extra_env or {})}
-    # The script comes on stdin: with its data inlined it can exceed the argument size limit.
-    with subprocess.Popen([sys.executable, "-"], cwd=REPO_ROOT, env=env, text=True, stdin=subprocess.PIPE,
+    # The script comes on stdin: with its data inlined it can exceed the argument size limit. A
+    # spawned engine-core process re-imports a main script from its file, which stdin has not:
+    # short scripts for vLLM's multi-process engine come as an argument.
+    spawns_engine_core = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+    command = [sys.executable, "-c", script] if spawns_engine_core else [sys.executable, "-"]
+    with subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as process:
         try:
-            stdout, stderr = process.communicate(script, timeout=timeout)
+            stdout, stderr = process.communicate(None if spawns_engine_core else script, timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_session(process.pid)
             process.communicate()

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from vllm_amphista.draft_length import AdaptiveDraftLength, DraftAcceptance, StepCost
+from vllm_amphista.draft_length import AdaptiveDraftLength, DraftAcceptance, StepCost, calibration_sizes
 
 
 def test_step_cost_interpolates_and_extrapolates_pessimistically():
@@ -31,21 +31,31 @@ def test_acceptance_by_position_and_early_stops():
     assert verified == pytest.approx(2.0, abs=0.02) and accepted == pytest.approx(0.5, abs=0.02)
 
 
-def simulate(step_seconds, accept_probability: float, batch_size: int, steps: int = 400, max_k: int = 4) -> list[int]:
-    """Run the controller against a step-time law and i.i.d. acceptance; return the K it chose."""
+def simulate(step_seconds, accept_probability: float, batch_size: int, steps: int = 400, max_k: int = 4,
+             drafter_seconds: float = 0.0) -> list[int]:
+    """Run the controller against a step-time law (plus drafter_seconds in steps that propose
+    drafts, timed at start-up) and i.i.d. acceptance; return the K it chose. A step verifies the drafts the step
+    before it proposed."""
     rng = random.Random(0)
     controller = AdaptiveDraftLength(max_k)
+    if drafter_seconds:  # timed at start-up
+        sizes = range(1, batch_size * (max_k + 1) + 1)
+        controller.calibrate({n: step_seconds(n) + drafter_seconds for n in sizes},
+                             {n: drafter_seconds for n in sizes})
     chosen = []
+    pending = 0  # the draft length of the drafts the next step verifies
     for _ in range(steps):
         k = controller[batch_size]
         chosen.append(k)
         requests = []
         for _ in range(batch_size):
             accepted = 0
-            while accepted < k and rng.random() < accept_probability:
+            while accepted < pending and rng.random() < accept_probability:
                 accepted += 1
-            requests.append((1 + k, k, accepted))
-        controller.observe_step(requests, step_seconds(sum(n for n, _, _ in requests)))
+            requests.append((1 + pending, pending, accepted))
+        seconds = step_seconds(sum(n for n, _, _ in requests)) + (drafter_seconds if k else 0.0)
+        controller.observe_step(requests, seconds, k_proposed=k)
+        pending = k
     return chosen[steps // 2:]
 
 
@@ -67,6 +77,38 @@ def test_short_drafts_in_between():
     assert sorted(chosen)[len(chosen) // 2] in (2, 3)
 
 
+def test_no_drafts_when_only_the_drafter_makes_drafting_lose():
+    # Verification nearly free, but the drafter costs as much as a step: K=1 gives 1.6x the
+    # tokens for 2x the time.
+    chosen = simulate(lambda tokens: 0.010 + 0.0001 * tokens, accept_probability=0.6, batch_size=4,
+                      drafter_seconds=0.010)
+    assert sum(k == 0 for k in chosen) > 0.8 * len(chosen)
+
+
+def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():
+    controller = AdaptiveDraftLength(max_k=1, explore_every=0)
+    controller.calibrate({8: 0.030, 16: 0.040}, {8: 0.010, 16: 0.012})
+    # At the prior acceptance of 0.5: K=1 gives 12 tokens in 40 ms, K=0 8 tokens in 30 - 10 ms.
+    assert controller.best(8) == 0
+    without_the_drafter = AdaptiveDraftLength(max_k=1, explore_every=0)
+    without_the_drafter.calibrate({8: 0.030, 16: 0.040}, {})
+    assert without_the_drafter.best(8) == 1
+    controller.observe_step([], None, k_proposed=0)
+    controller.observe_step([(1, 0, 0)] * 8, 0.045, k_proposed=0)  # the first real step: an idle one
+    # It is stored as the step it would have been with the drafter, 55 ms: the table shifts by 25 ms.
+    assert controller.cost.predict(8) == pytest.approx(0.055) and controller.cost.predict(16) == pytest.approx(0.065)
+    assert controller.best(8) == 1  # K=1: 12 tokens in 65 ms beats 8 in 45
+
+
+def test_acceptance_is_counted_against_the_draft_length_the_drafts_were_proposed_with():
+    controller = AdaptiveDraftLength(max_k=4, explore_every=0)
+    controller.observe_step([], None, k_proposed=2)  # a step that only proposed (after a prefill)
+    # Two draft tokens asked, two drafted: position 3 was not asked for, so it keeps its prior count.
+    controller.observe_step([(3, 2, 2)], None, k_proposed=4)
+    asked = controller.acceptance._asked
+    assert asked[1] > 2.0 and asked[2] == pytest.approx(2.0)
+
+
 def test_start_up_timings_are_shifted_by_the_first_real_step():
     cost = StepCost()
     cost.calibrate({1: 0.010, 5: 0.012, 10: 0.020})
@@ -78,30 +120,31 @@ def test_start_up_timings_are_shifted_by_the_first_real_step():
 
 
 def test_calibration_sizes_cover_one_to_k_plus_one_tokens_per_request():
-    controller = AdaptiveDraftLength(max_k=4)
-    assert controller.calibration_sizes(max_batch_size=1, max_tokens=2048) == [1, 2, 3, 4, 5]
-    sizes = controller.calibration_sizes(max_batch_size=256, max_tokens=2048)
+    assert calibration_sizes(4, max_batch_size=1, max_tokens=2048) == [1, 2, 3, 4, 5]
+    sizes = calibration_sizes(4, max_batch_size=256, max_tokens=2048)
     assert {4, 20, 16 * 5} <= set(sizes) and max(sizes) == 16 * 5
-    assert max(controller.calibration_sizes(max_batch_size=256, max_tokens=32)) <= 32
+    assert max(calibration_sizes(4, max_batch_size=256, max_tokens=32)) <= 32
 
 
 def test_a_calibrated_controller_decides_from_the_first_step():
     cheap_verification = AdaptiveDraftLength(max_k=4, explore_every=0)
     assert cheap_verification.best(1) == 4  # nothing timed: as configured
-    cheap_verification.cost.calibrate({1: 0.010, 5: 0.011})
+    cheap_verification.calibrate({1: 0.010, 5: 0.011}, {})
     assert cheap_verification.best(1) > 0
     compute_bound = AdaptiveDraftLength(max_k=4, explore_every=0)
-    compute_bound.cost.calibrate({n: 0.010 * n for n in range(1, 6)})  # emulated bf16: K+1 tokens cost K+1 steps
+    steps = {n: 0.010 * n for n in range(1, 6)}  # emulated bf16: K+1 tokens cost K+1 steps
+    compute_bound.calibrate(steps, {})
     assert compute_bound.best(1) == 0
 
 
 def test_summary_counts_the_choices_since_the_last_one():
     controller = AdaptiveDraftLength(max_k=4, explore_every=0)
-    controller.cost.calibrate({n: 0.010 * n for n in range(1, 6)})  # drafts never pay: K=0
+    controller.calibrate({n: 0.010 * n for n in range(1, 6)}, {1: 0.002})  # drafts never pay: K=0
     for _ in range(3):
         controller[2]
     controller[1]
     summary = controller.summary()
     assert "batch 1: K=0 x1; batch 2: K=0 x3" in summary
-    assert "acceptance by position [0.50, 0.50, 0.50, 0.50]" in summary and "1: 10.0" in summary
+    assert "acceptance by position [0.50, 0.50, 0.50, 0.50]" in summary and "verified {1: 10.0, 2: 20.0" in summary
+    assert "of them the drafter's {1: 2.0}" in summary
     assert "draft length chosen (none)" in controller.summary()

