@@ -15,8 +15,11 @@ def test_step_cost_interpolates_and_extrapolates_pessimistically():
     assert cost.predict(3) == pytest.approx(0.012)
     assert cost.predict(1) == pytest.approx(0.010)
     assert cost.predict(10) == pytest.approx(0.028)  # never measured: proportional to tokens
-    cost.observe(5, 0.024)  # smoothed, not replaced
-    assert 0.014 < cost.predict(5) < 0.024
+    cost.observe(5, 0.024)  # the median of the last few, not the last
+    assert cost.predict(5) == pytest.approx(0.019)
+    cost.observe(5, 0.100)  # one slow step (a catch-up pass) among normal ones
+    cost.observe(5, 0.019)
+    assert cost.predict(5) == pytest.approx(0.0215)
 
 
 def test_acceptance_by_position_and_early_stops():
@@ -94,10 +97,10 @@ def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():
     without_the_drafter.calibrate({8: 0.030, 16: 0.040}, {})
     assert without_the_drafter.best(8) == 1
     controller.observe_step([], None, k_proposed=0)
-    controller.observe_step([(1, 0, 0)] * 8, 0.045, k_proposed=0)  # the first real step: an idle one
-    # It is stored as the step it would have been with the drafter, 55 ms: the table shifts by 25 ms.
-    assert controller.cost.predict(8) == pytest.approx(0.055) and controller.cost.predict(16) == pytest.approx(0.065)
-    assert controller.best(8) == 1  # K=1: 12 tokens in 65 ms beats 8 in 45
+    controller.observe_step([(1, 0, 0)] * 8, 0.050, k_proposed=0)  # the first real step: an idle one
+    # It is stored as the step it would have been with the drafter, 60 ms: twice the start-up time.
+    assert controller.cost.predict(8) == pytest.approx(0.060) and controller.cost.predict(16) == pytest.approx(0.080)
+    assert controller.best(8) == 0  # K=0: 8 tokens in 50 ms beat 12 in 80
 
 
 def test_acceptance_is_counted_against_the_draft_length_the_drafts_were_proposed_with():
@@ -109,14 +112,19 @@ def test_acceptance_is_counted_against_the_draft_length_the_drafts_were_proposed
     assert asked[1] > 2.0 and asked[2] == pytest.approx(2.0)
 
 
-def test_start_up_timings_are_shifted_by_the_first_real_step():
+def test_start_up_timings_are_scaled_by_the_nearest_real_step():
     cost = StepCost()
     cost.calibrate({1: 0.010, 5: 0.012, 10: 0.020})
     assert cost.sizes == [1, 5, 10] and cost.predict(3) == pytest.approx(0.011)
-    cost.observe(5, 0.015)  # a real step costs 3 ms more than the model alone at every size
-    assert cost.predict(1) == pytest.approx(0.013) and cost.predict(10) == pytest.approx(0.023)
-    cost.observe(1, 0.033)  # from then on, smoothed as before
-    assert cost.predict(1) == pytest.approx(0.013 + 0.2 * 0.020)
+    cost.observe(5, 0.018)  # a real step costs 1.5x the model alone
+    assert cost.predict(1) == pytest.approx(0.015) and cost.predict(10) == pytest.approx(0.030)
+    cost.observe(10, 0.040)  # each size not run for real follows its nearest real one
+    assert cost.predict(1) == pytest.approx(0.015) and cost.predict(10) == pytest.approx(0.040)
+    assert cost.predict(20) == pytest.approx(0.080)  # beyond the table: in proportion to tokens
+    cost.observe(3, 0.022)  # between start-up sizes: 2x the start-up time interpolated there
+    assert cost.predict(1) == pytest.approx(0.020)
+    cost.observe(10, 0.050)  # from then on, the median of the last few
+    assert cost.predict(10) == pytest.approx(0.045)
 
 
 def test_calibration_sizes_cover_one_to_k_plus_one_tokens_per_request():

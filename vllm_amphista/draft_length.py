@@ -26,15 +26,15 @@ T starts from a table timed at engine start-up (the target's forward and
 logits, and the drafter's stages and heads, for 1..K+1 tokens per request at
 a few batch sizes), so the first requests do not pay for exploring an empty
 table. Those timings lack what a real step adds around the model
-(scheduling, sampling, output processing, roughly the same at every size):
-the first real decode step shifts the whole table by the difference at its
-size. From then on T is learned from the engine's own decode steps (seconds
-per step against tokens scheduled, D added back to steps that proposed
-nothing; a smoothed table interpolated between measured sizes; sizes never
-measured are extrapolated as if compute bound, which is pessimistic),
-acceptance from the tokens the rejection sampler accepted. To keep both
-current where the best K is not being run, every `explore_every`-th choice
-tries one K away from the best.
+(scheduling, sampling, output processing, per-request work): a size not yet
+run for real is read as its start-up time scaled by real over start-up time
+at the nearest size that was. T is learned from the engine's own decode
+steps (seconds per step against tokens scheduled, D added back to steps that
+proposed nothing; per size the median of its last few steps, interpolated between sizes; sizes never timed
+are extrapolated as if compute bound, which is pessimistic), acceptance from
+the tokens the rejection sampler accepted. To keep both current where the
+best K is not being run, every `explore_every`-th choice tries one K away
+from the best.
 
 Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 """
@@ -42,63 +42,73 @@ Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+import statistics
+from collections import Counter, deque
 
 
 class StepCost:
-    """Seconds per decode step against the number of tokens the target verifies."""
+    """Seconds per decode step against the number of tokens the target verifies.
 
-    def __init__(self, smoothing: float = 0.2) -> None:
-        if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
-        self.smoothing = smoothing
-        self._sizes: list[int] = []
-        self._seconds: dict[int, float] = {}
-        self._calibrated_only = False  # the table holds start-up timings and no real step yet
+    Start-up timings, if any, give the table's shape; real steps its level: a size never run
+    for real is read as its start-up time scaled by real over start-up time at the nearest size
+    that was (what a real step adds, scheduling, sampling, per-request work, grows with the
+    batch as the model's time does)."""
+
+    def __init__(self, window: int = 5) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._startup: dict[int, float] = {}
+        # Per size, the median of its last `window` real steps: a step that also ran something
+        # else (Amphista's catch-up pass after steps without drafts) moves it little.
+        self._recent: dict[int, deque[float]] = {}
+        self._measured: dict[int, float] = {}
 
     def calibrate(self, seconds_by_size: dict[int, float]) -> None:
         """Start from model-only timings taken at start-up (tokens -> seconds)."""
         for num_tokens, seconds in seconds_by_size.items():
             if num_tokens >= 1 and seconds > 0.0:
-                if num_tokens not in self._seconds:
-                    bisect.insort(self._sizes, num_tokens)
-                self._seconds[num_tokens] = seconds
-        self._calibrated_only = bool(self._sizes)
+                self._startup[num_tokens] = seconds
 
     @property
     def sizes(self) -> list[int]:
-        return list(self._sizes)
+        return sorted(self._startup.keys() | self._measured.keys())
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 1 or seconds <= 0.0:
             return
-        if self._calibrated_only:
-            # What the start-up timings lacked (the step around the model), at every size alike.
-            offset = seconds - self.predict(num_tokens)
-            for size in self._sizes:
-                self._seconds[size] = max(self._seconds[size] + offset, 1e-6)
-            self._calibrated_only = False
-        previous = self._seconds.get(num_tokens)
-        if previous is None:
-            bisect.insort(self._sizes, num_tokens)
-            self._seconds[num_tokens] = seconds
-        else:
-            self._seconds[num_tokens] = previous + self.smoothing * (seconds - previous)
+        recent = self._recent.setdefault(num_tokens, deque(maxlen=self.window))
+        recent.append(seconds)
+        self._measured[num_tokens] = statistics.median(recent)
 
     def predict(self, num_tokens: float) -> float | None:
-        """Step time for num_tokens (None before any step was measured)."""
-        sizes = self._sizes
-        if not sizes:
-            return None
-        if num_tokens <= sizes[0]:
-            return self._seconds[sizes[0]]
-        if num_tokens >= sizes[-1]:
-            # Never measured this large: assume time grows in proportion to tokens.
-            return self._seconds[sizes[-1]] * num_tokens / sizes[-1]
-        right = bisect.bisect_left(sizes, num_tokens)
-        lo, hi = sizes[right - 1], sizes[right]
-        t_lo, t_hi = self._seconds[lo], self._seconds[hi]
-        return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
+        """Step time for num_tokens (None before any step was timed)."""
+        measured = sorted(self._measured)
+
+        def seconds(size: int) -> float:
+            if size in self._measured or not measured:
+                return self._measured.get(size) or self._startup[size]
+            right = bisect.bisect_left(measured, size)
+            near = min(measured[max(right - 1, 0):right + 1], key=lambda m: abs(m - size))
+            return self._startup[size] * self._measured[near] / _interpolate(self._startup, near)
+
+        return _interpolate({size: seconds(size) for size in self.sizes}, num_tokens)
+
+
+def _interpolate(seconds_by_size: dict[int, float], num_tokens: float) -> float | None:
+    """Linear between sizes; below the smallest, its time; above the largest, in proportion to
+    tokens (never timed this large: as if compute bound)."""
+    if not seconds_by_size:
+        return None
+    sizes = sorted(seconds_by_size)
+    if num_tokens <= sizes[0]:
+        return seconds_by_size[sizes[0]]
+    if num_tokens >= sizes[-1]:
+        return seconds_by_size[sizes[-1]] * num_tokens / sizes[-1]
+    right = bisect.bisect_left(sizes, num_tokens)
+    lo, hi = sizes[right - 1], sizes[right]
+    t_lo, t_hi = seconds_by_size[lo], seconds_by_size[hi]
+    return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
 
 
 class DraftAcceptance:
