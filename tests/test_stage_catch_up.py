@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from conftest import KEEP_VLLMS_ASYNC_DECISION, build_random_heads, run_engine, run_llm
-from vllm_amphista.vllm.amphista import MAX_DEFERRED_POSITIONS
 
 K = 3
+# A backlog bound shorter than the requests (the shipped one outlasts most answers).
+BACKLOG_BOUND = 32
 # Scheduler steps (1-based) with K=0: a short stretch, then one past the backlog bound.
-ZERO_STRETCHES = [(5, 10), (16, 16 + MAX_DEFERRED_POSITIONS + 8)]
+ZERO_STRETCHES = [(5, 10), (16, 16 + BACKLOG_BOUND + 8)]
 
 SCENARIO = """
 import torch
@@ -51,6 +52,7 @@ def recorded_chain(heads_out, num_tokens):
     return token_ids, confidence
 
 drafter._run_stages, model.heads.forward, model.chain = recorded_run_stages, recorded_heads, recorded_chain
+drafter.max_deferred_positions = args["backlog_bound"]
 prompts = [{"prompt_token_ids": [12 + (i * 7 + j) % 40 for j in range(6 + 5 * i)] * 2} for i in range(3)]
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (70, 45, 60)]
 runs = {}
@@ -87,7 +89,7 @@ def test_drafts_after_skipped_stages_equal_drafts_of_stages_run_every_step(tiny_
                    {"method": "amphista", "model": str(heads), "num_speculative_tokens": K,
                     "draft_length": "fixed"},
                    llm_kwargs={"enable_prefix_caching": False, "async_scheduling": async_scheduling},
-                   args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES}, prelude=KEEP_VLLMS_ASYNC_DECISION)
+                   args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES, "backlog_bound": BACKLOG_BOUND}, prelude=KEEP_VLLMS_ASYNC_DECISION)
     assert runs["async_scheduling"] is async_scheduling
     deferred, every_step = runs["true"], runs["false"]  # JSON's keys
     assert deferred["outputs"] == every_step["outputs"]
@@ -105,8 +107,8 @@ def test_greedy_equals_plain_with_skipped_stages(tiny_llama_dir, random_heads_di
     requests = [{"prompt_token_ids": [12 + (i * 5 + j) % 40 for j in range(4 + 7 * i)] * 2,
                  "max_tokens": 30 + 15 * i} for i in range(4)]
     plain = run_engine(tiny_llama_dir, requests)
-    # K=0 at every batch size but one: the stages defer, run when a backlog is full, and catch
-    # up when the batch shrinks to one request (the requests end one after another).
+    # K=0 at every batch size but one: the stages defer, and catch up when the batch shrinks to
+    # one request (the requests end one after another).
     schedule = {"num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 256, 0]]}
     for method in ("amphista", "amphista_anpd"):
         spec_run = run_engine(tiny_llama_dir, requests, {"method": method, "model": str(random_heads_dir),

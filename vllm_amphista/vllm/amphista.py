@@ -40,11 +40,14 @@ Steps that draft nothing (K=0, chosen by the load-aware draft length) skip the
 stages: each request keeps the stage inputs of the positions it skipped, and
 the next pass over its rows first runs those positions as one short prefill
 (`_catch_up`), so the stages' KV is what running every step would have written.
-A request's backlog is bounded (`MAX_DEFERRED_POSITIONS`): a long K=0 stretch
-runs the stages once per that many steps. Only decode steps are deferred, so a
-prompt's stage KV is always written when its prefill runs; what a request
-leaves unpaid when it finishes is KV of its generated tokens, which only a
-later prompt that repeats them (prefix caching) would read, for drafting only.
+The catch-up runs only when a request drafts again or its backlog reaches its
+bound (`MAX_DEFERRED_POSITIONS`), so a request that ends inside a K=0 stretch
+never pays for its stages there: at a batch size where drafting does not pay,
+the stages' share of a step (~6% of the demo target's compute) is not paid
+either. Only decode steps are deferred, so a prompt's stage KV is always
+written when its prefill runs; what a request leaves unpaid when it finishes
+is KV of its generated tokens, which only a later prompt that repeats them
+(prefix caching) would read, for drafting only.
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ from vllm_amphista.vllm.config import draft_length_mode
 MIN_DRAFT_CONFIDENCE = 0.1
 
 # How many positions a request's stages may fall behind on steps that draft nothing before they
-# catch up anyway: bounds the catch-up pass and the stored inputs.
-MAX_DEFERRED_POSITIONS = 32
+# catch up anyway: bounds the catch-up pass and the stored inputs (a row of the target's features
+# each, ~7 KB for the demo heads' three layers in float32, ~1.8 MB a request at the bound: a sixth
+# of the target's KV for those positions). Long enough that most answers end before it.
+MAX_DEFERRED_POSITIONS = 256
 
 # Checkpoint (HF) projection names -> vLLM's fused parameter and shard.
 _STACKED_PARAMS = (
@@ -390,14 +395,14 @@ class AmphistaDrafterForVLLM(nn.Module):
 
 class DeferredStageRows:
     """A request's stage inputs for consecutive positions the stages have not run yet, in buffers
-    sized for a full backlog so that a step appends its rows in place."""
+    that grow by doubling (a step appends its rows in place)."""
 
-    def __init__(self, first_position: int, capacity: int, input_ids: torch.Tensor, hidden_states: torch.Tensor):
-        """Empty, for `capacity` rows like those of the proposer's `input_ids` and `hidden_states`."""
+    def __init__(self, first_position: int, input_ids: torch.Tensor, hidden_states: torch.Tensor):
+        """Empty, for rows like those of the proposer's `input_ids` and `hidden_states`."""
         self.first_position = first_position
         self.count = 0
-        self._token_ids = input_ids.new_empty(capacity)
-        self._hidden_states = hidden_states.new_empty(capacity, hidden_states.shape[-1])
+        self._token_ids = input_ids.new_empty(16)
+        self._hidden_states = hidden_states.new_empty(16, hidden_states.shape[-1])
 
     @property
     def token_ids(self) -> torch.Tensor:  # [m] the token sampled after each position
@@ -413,6 +418,12 @@ class DeferredStageRows:
 
     def append(self, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> None:
         end = self.count + token_ids.shape[0]
+        if end > self._token_ids.shape[0]:
+            capacity = max(end, 2 * self._token_ids.shape[0])
+            self._token_ids = torch.cat([self.token_ids, self._token_ids.new_empty(capacity - self.count)])
+            self._hidden_states = torch.cat([self.hidden_states,
+                                             self._hidden_states.new_empty(capacity - self.count,
+                                                                           self._hidden_states.shape[-1])])
         self._token_ids[self.count:end] = token_ids
         self._hidden_states[self.count:end] = hidden_states
         self.count = end
@@ -453,6 +464,8 @@ class AmphistaProposer(EagleProposer):
         self.unpadded_passes = self.host_side and parallel.data_parallel_size == 1
         # The most rows a decode step schedules for one request: its sampled token and its drafts.
         self.rows_per_decode_step = 1 + vllm_config.speculative_config.num_speculative_tokens
+        # A full backlog plus one step's rows must fit one pass of the input buffers.
+        self.max_deferred_positions = min(MAX_DEFERRED_POSITIONS, self.max_num_tokens - self.rows_per_decode_step + 1)
         if self.uses_mrope:
             raise ValueError("the Amphista drafter takes one position per token, not M-RoPE positions")
         self.target_uses_mrope = vllm_config.model_config.uses_mrope
@@ -707,25 +720,18 @@ class AmphistaProposer(EagleProposer):
     def _defer_rows(self, cad, req_ids: list[str], first_positions: list[int],
                     backlog: dict[int, DeferredStageRows], rows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append this step's stage inputs, `rows` of (batch row, token ids, the target's features),
-        to each request's backlog; catch up if a backlog is full; draft nothing."""
-        # A backlog below its bound, plus one step's rows.
-        capacity = MAX_DEFERRED_POSITIONS - 1 + self.rows_per_decode_step
+        to each request's backlog; catch up the backlogs that are full; draft nothing."""
         for row, token_ids, hidden_states in rows:
             owed = backlog.get(row)
             if owed is None:
                 owed = backlog[row] = self.deferred[req_ids[row]] = DeferredStageRows(
-                    first_positions[row], capacity, self.input_ids, self.hidden_states)
+                    first_positions[row], self.input_ids, self.hidden_states)
             owed.append(token_ids, hidden_states)
-        if self._backlog_full(backlog):  # one pass over every owed position, this step's included
-            self._catch_up(cad, req_ids, backlog)
+        # Only backlogs at their bound catch up (this step's rows included): the others may yet end unpaid.
+        full = {row: owed for row, owed in backlog.items() if owed.count >= self.max_deferred_positions}
+        if full:
+            self._catch_up(cad, req_ids, full)
         return self._no_drafts(cad.num_reqs)
-
-    def _backlog_full(self, backlog: dict[int, DeferredStageRows]) -> bool:
-        """Whether a request's backlog has reached its bound, or another step's rows would not fit
-        the backlogs' catch-up in one pass of the input buffers."""
-        owed = [rows.count for rows in backlog.values()]
-        one_step = len(owed) * self.rows_per_decode_step
-        return max(owed, default=0) >= MAX_DEFERRED_POSITIONS or sum(owed) + one_step > self.max_num_tokens
 
     def _catch_up(self, cad, req_ids: list[str], backlog: dict[int, DeferredStageRows]) -> None:
         """Run the stages over the owed positions of the batch rows in `backlog`, as a prefill of
