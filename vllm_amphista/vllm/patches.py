@@ -852,8 +852,9 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
     """Runs on each worker: per size, seconds of a drafting step (the target's forward and the
     logits of every token, the drafter's stages and heads) and of the drafter's part of it where
     a step that proposes nothing skips that part (Amphista deferring its stages); the fastest of
-    `repeats` after one untimed run. The runner's dummy step runs the drafter's stages twice, alone
-    and in its drafting pass: once is subtracted."""
+    `repeats` after one untimed run. Amphista's part is timed apart from the target's and added to
+    it (the runner's dummy step would run its stages twice, alone and in its drafting pass), so
+    noise cannot leave the target's part at nothing."""
     import time
 
     import torch
@@ -880,17 +881,23 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
         runner.model.compute_logits(hidden_states[:num_tokens])
 
     step_seconds, drafter_seconds = {}, {}
-    with torch.inference_mode():
-        for num_tokens in sizes:
-            step_seconds[num_tokens], _ = fastest(dummy_step, num_tokens)
-            if not amphista:
-                continue
-            stages, _ = fastest(super(AmphistaProposer, drafter).dummy_run, num_tokens)
-            draft_pass, with_stages = fastest(drafter.dummy_draft, num_tokens)
-            if with_stages:
-                step_seconds[num_tokens] = max(step_seconds[num_tokens] - stages, draft_pass)
-            if drafter.defer_idle_stages:
-                drafter_seconds[num_tokens] = draft_pass if with_stages else stages + draft_pass
+    if amphista:  # the runner's dummy step runs the target alone
+        drafter.dummy_run = lambda *args, **kwargs: None
+    try:
+        with torch.inference_mode():
+            for num_tokens in sizes:
+                step_seconds[num_tokens], _ = fastest(dummy_step, num_tokens)
+                if not amphista:
+                    continue
+                stages, _ = fastest(super(AmphistaProposer, drafter).dummy_run, num_tokens)
+                draft_pass, with_stages = fastest(drafter.dummy_draft, num_tokens)
+                drafter_part = draft_pass if with_stages else stages + draft_pass
+                step_seconds[num_tokens] += drafter_part
+                if drafter.defer_idle_stages:
+                    drafter_seconds[num_tokens] = drafter_part
+    finally:
+        if amphista:
+            del drafter.dummy_run
     return step_seconds, drafter_seconds
 
 
