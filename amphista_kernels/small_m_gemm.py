@@ -64,3 +64,14 @@ def panel_linear(
     `large_op(out, x, bias, large_state)`, any registered out-variant linear."""
     state = large_state if large_state is not None else packed
     return torch.ops.amphista_kernels.panel_linear(x, packed, bias, n, max_rows, large_op, state)
+
+
+def max_rows_where_faster(panel_seconds: dict[int, float], other_seconds: dict[int, float]) -> int:
+    """The most rows up to which the panel GEMM was never slower than another GEMM at the row counts
+    timed; at least 1: one row streams the weights at the memory's pace on every AVX2 CPU seen."""
+    max_rows = 1
+    for rows in sorted(panel_seconds):
+        if panel_seconds[rows] > other_seconds[rows]:
+            break
+        max_rows = max(max_rows, rows)
+    return max_rows

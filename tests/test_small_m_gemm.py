@@ -74,7 +74,7 @@ def test_rejects_inputs_it_cannot_multiply():
 
 
 # vLLM's CPU GEMM dispatch with the plugin loaded, as a worker loads it: float32 layers get the panel
-# GEMM up to SMALL_M_GEMM_MAX_ROWS rows and vLLM's oneDNN GEMM above; other dtypes keep vLLM's.
+# GEMM up to the row count timed on this CPU and vLLM's oneDNN GEMM above; other dtypes keep vLLM's.
 DISPATCH_PROBE = """
 import json
 import torch
@@ -99,8 +99,8 @@ if __name__ == "__main__":
     packed = small_m_gemm.pack_panels(weight)
     onednn = ops.create_onednn_mm(weight.t(), 32)
     report = {"patched": getattr(utils.dispatch_cpu_unquantized_gemm, "_vllm_amphista_patched", False),
-              "weight_left": layer.weight.numel(), "max_rows": patches.SMALL_M_GEMM_MAX_ROWS}
-    for rows in (1, 5, patches.SMALL_M_GEMM_MAX_ROWS, patches.SMALL_M_GEMM_MAX_ROWS + 1, 64):
+              "weight_left": layer.weight.numel(), "max_rows": patches.panel_gemm_max_rows()}
+    for rows in sorted({1, report["max_rows"], report["max_rows"] + 1, 64}):
         x = torch.randn(rows, 576)
         y = layer.cpu_linear(x, layer.weight, None)
         report[str(rows)] = {
@@ -119,7 +119,8 @@ if __name__ == "__main__":
 def test_vllms_float32_linears_take_the_panel_gemm_for_small_batches_only():
     report = report_of(run_python(DISPATCH_PROBE, timeout=300))
     assert report["patched"] and report["weight_left"] == 0
-    small, large = [1, 5, report["max_rows"]], [report["max_rows"] + 1, 64]
+    assert 1 <= report["max_rows"] <= 16
+    small, large = sorted({1, report["max_rows"]}), [report["max_rows"] + 1, 64]
     for rows in small:
         assert report[str(rows)]["panel"], rows
     for rows in large:
@@ -127,6 +128,14 @@ def test_vllms_float32_linears_take_the_panel_gemm_for_small_batches_only():
     for rows in small + large:
         assert report[str(rows)]["error"] < 1e-3
     assert report["bf16_dtype"] == "torch.bfloat16"
+
+
+def test_the_panel_gemm_takes_the_rows_up_to_where_it_first_loses():
+    panel = {2: 1.0, 4: 1.1, 6: 1.5, 8: 2.0, 10: 2.0}
+    onednn = {2: 1.3, 4: 1.6, 6: 1.9, 8: 1.9, 10: 2.5}
+    assert small_m_gemm.max_rows_where_faster(panel, onednn) == 6  # 10 wins again, past a loss: not taken
+    assert small_m_gemm.max_rows_where_faster(panel, {rows: 0.5 for rows in panel}) == 1
+    assert small_m_gemm.max_rows_where_faster(panel, {rows: 9.0 for rows in panel}) == 10
 
 
 def test_the_switch_leaves_vllms_dispatch_alone():

