@@ -89,7 +89,8 @@ def test_drafts_after_skipped_stages_equal_drafts_of_stages_run_every_step(tiny_
                    {"method": "amphista", "model": str(heads), "num_speculative_tokens": K,
                     "draft_length": "fixed"},
                    llm_kwargs={"enable_prefix_caching": False, "async_scheduling": async_scheduling},
-                   args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES, "backlog_bound": BACKLOG_BOUND}, prelude=KEEP_VLLMS_ASYNC_DECISION)
+                   args={"path": path, "k": K, "zero_stretches": ZERO_STRETCHES, "backlog_bound": BACKLOG_BOUND},
+                   prelude=KEEP_VLLMS_ASYNC_DECISION)
     assert runs["async_scheduling"] is async_scheduling
     deferred, every_step = runs["true"], runs["false"]  # JSON's keys
     assert deferred["outputs"] == every_step["outputs"]

