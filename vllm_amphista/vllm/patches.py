@@ -849,6 +849,23 @@ def _warn_if_dtype_is_emulated(method: str, dtype) -> None:
         _logger().warning(warning)
 
 
+def _fastest(call, repeats: int) -> tuple[float, object]:
+    """(the fastest of `repeats` timed calls after one untimed, in seconds; the untimed call's result)."""
+    import time
+
+    import torch
+
+    result = call()
+    timings = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timings.append(time.perf_counter() - started)
+    return min(timings), result
+
+
 def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[int, float], dict[int, float]]:
     """Runs on each worker: per size, seconds of a drafting step (the target's forward and the
     logits of every token, the drafter's stages and heads) and of the drafter's part of it where
@@ -856,8 +873,6 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
     `repeats` after one untimed run. Amphista's part is timed apart from the target's and added to
     it (the runner's dummy step would run its stages twice, alone and in its drafting pass), so
     noise cannot leave the target's part at nothing."""
-    import time
-
     import torch
 
     from vllm_amphista.vllm.amphista import AmphistaProposer
@@ -867,15 +882,7 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
     amphista = isinstance(drafter, AmphistaProposer)
 
     def fastest(step, num_tokens: int) -> tuple[float, object]:
-        result = step(num_tokens)
-        timings = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            step(num_tokens)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            timings.append(time.perf_counter() - started)
-        return min(timings), result
+        return _fastest(lambda: step(num_tokens), repeats)
 
     def dummy_step(num_tokens: int) -> None:
         hidden_states, _ = runner._dummy_run(num_tokens)
@@ -955,8 +962,6 @@ SMALL_M_GEMM_CANDIDATE_ROWS = (2, 4, 6, 8, 10, 12, 16)
 def panel_gemm_max_rows() -> int:
     """Up to how many rows the panel GEMM beats oneDNN's on this CPU: both timed over ~70 MB of
     decode-shaped weights (past the caches, as a model's are), best of 3, once per process (~0.6 s)."""
-    import time
-
     import torch
     from vllm import _custom_ops as ops
 
@@ -969,13 +974,12 @@ def panel_gemm_max_rows() -> int:
 
     def fastest(rows: int, max_rows: int) -> float:
         x = torch.randn(rows, 576, generator=generator)
-        timings = []
-        for _ in range(4):  # the first untimed
-            started = time.perf_counter()
+
+        def every_layer():
             for packed, onednn in layers:
                 small_m_gemm.panel_linear(x, packed, 3072, None, max_rows, "_C::onednn_mm", onednn.handler_tensor)
-            timings.append(time.perf_counter() - started)
-        return min(timings[1:])
+
+        return _fastest(every_layer, 3)[0]
 
     panel, onednn = {}, {}
     with torch.no_grad():
