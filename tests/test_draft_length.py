@@ -103,6 +103,23 @@ def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():
     assert controller.best(8) == 0  # K=0: 8 tokens in 50 ms beat 12 in 80
 
 
+def test_the_drafters_real_cost_is_learned_where_steps_with_and_without_it_ran():
+    controller = AdaptiveDraftLength(max_k=1, explore_every=0)
+    controller.calibrate({8: 0.030, 16: 0.040}, {8: 0.010, 16: 0.012})
+    one_draft_each = [(2, 1, 1)] * 4 + [(2, 1, 0)] * 4  # 16 tokens verified
+    controller.observe_step(one_draft_each, 0.060, k_proposed=1)
+    controller.observe_step(one_draft_each, 0.042, k_proposed=0)  # the drafter cost 18 ms here, not 12
+    assert controller.drafter_cost.predict(16) == pytest.approx(0.018)
+    assert controller.drafter_cost.predict(8) == pytest.approx(0.015)  # start-up D scaled as at 16
+    assert controller.cost.predict(16) == pytest.approx(0.060)  # the idle step, with its real D added back
+    # The first step to propose after an idle one also catches the stages up: not a drafting step's price.
+    controller.observe_step([(1, 0, 0)] * 8, 0.100, k_proposed=1)
+    assert controller.cost.predict(8) == pytest.approx(0.045)  # still start-up T(8) scaled as at 16
+    controller.observe_step([(1, 0, 0)] * 8, 0.050, k_proposed=1)
+    # A step of 8 tokens that proposes nothing never ran: 50 - 15 ms, not 50 - 10.
+    assert 8 / controller.rate(8, 0) == pytest.approx(0.035)
+
+
 def test_acceptance_is_counted_against_the_draft_length_the_drafts_were_proposed_with():
     controller = AdaptiveDraftLength(max_k=4, explore_every=0)
     controller.observe_step([], None, k_proposed=2)  # a step that only proposed (after a prefill)

@@ -18,9 +18,13 @@ verified. K=0 wins when no draft pays.
 A step in which the drafter proposes costs more than one in which it does
 not (Amphista's stages and heads run; at K=0 the stages wait for the next
 drafting step's catch-up pass): T(n) is the time of a step that proposes,
-and a step that proposes nothing costs T(n) - D(n), D the drafter's own time,
-timed at start-up (zero when it was not: the drafter's cost then stays in
-every step, as for ANPD, whose drafting is host-side).
+and a step that proposes nothing costs T(n) - D(n), D the drafter's own time.
+D starts from start-up timings (none for ANPD, whose drafting is host-side)
+and is learned as T(n) - I(n) wherever real steps that propose (T) and real
+steps that propose nothing (I) both ran at n tokens; elsewhere it is the
+start-up D scaled by real over start-up D at the nearest such size. A real
+drafter costs more than its start-up timing (its glue, the catch-up pass), so
+unlearned, K=0 would be priced too high.
 
 T starts from a table timed at engine start-up (the target's forward and
 logits, and the drafter's stages and heads, for 1..K+1 tokens per request at
@@ -30,7 +34,8 @@ table. Those timings lack what a real step adds around the model
 run for real is read as its start-up time scaled by real over start-up time
 at the nearest size that was. T is learned from the engine's own decode
 steps (seconds per step against tokens scheduled, D added back to steps that
-proposed nothing; per size the median of its last few steps, interpolated between sizes; sizes never timed
+proposed nothing, steps that also caught up left out; per size the median of its last few steps,
+interpolated between sizes; sizes never timed
 are extrapolated as if compute bound, which is pessimistic), acceptance from
 the tokens the rejection sampler accepted. To keep both current where the
 best K is not being run, every `explore_every`-th choice tries one K away
@@ -81,13 +86,25 @@ class StepCost:
         recent.append(seconds)
         self._measured[num_tokens] = statistics.median(recent)
 
+    def measured(self, num_tokens: int) -> float | None:
+        """The median of the last real steps of exactly num_tokens (None if none ran)."""
+        return self._measured.get(num_tokens)
+
+    def learn(self, num_tokens: int, seconds: float) -> None:
+        """A size's real time found from other tables (it replaces what that size had)."""
+        if num_tokens >= 1 and seconds >= 0.0:
+            self._recent.pop(num_tokens, None)
+            self._measured[num_tokens] = seconds
+
     def predict(self, num_tokens: float) -> float | None:
         """Step time for num_tokens (None before any step was timed)."""
         measured = sorted(self._measured)
 
         def seconds(size: int) -> float:
-            if size in self._measured or not measured:
-                return self._measured.get(size) or self._startup[size]
+            if size in self._measured:
+                return self._measured[size]
+            if not measured:
+                return self._startup[size]
             right = bisect.bisect_left(measured, size)
             near = min(measured[max(right - 1, 0):right + 1], key=lambda m: abs(m - size))
             return self._startup[size] * self._measured[near] / _interpolate(self._startup, near)
@@ -172,8 +189,11 @@ class AdaptiveDraftLength:
     def __init__(self, max_k: int, explore_every: int = 16) -> None:
         self.max_k = max_k
         self.explore_every = explore_every
-        self.cost = StepCost()  # steps whose drafter proposes drafts
-        self.drafter_cost = StepCost()  # the drafter's part of them, from start-up timings only
+        self.cost = StepCost()  # steps whose drafter proposes drafts (those that do not, with D added)
+        self.drafter_cost = StepCost()  # D: the drafter's part of them
+        # Real steps apart by whether they proposed, to learn D where both ran.
+        self._proposing_steps = StepCost()
+        self._idle_steps = StepCost()
         self.acceptance = DraftAcceptance(max_k)
         self._choices = 0
         self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
@@ -242,6 +262,14 @@ class AdaptiveDraftLength:
         asked, self._k_of_pending_drafts = self._k_of_pending_drafts, k_proposed
         for _, num_drafted, num_accepted in requests:
             self.acceptance.observe(asked, num_drafted, num_accepted)
-        if seconds is not None:
-            num_tokens = sum(num_tokens for num_tokens, _, _ in requests)
-            self.cost.observe(num_tokens, seconds if k_proposed else seconds + self._drafter_seconds(num_tokens))
+        # The first step that proposes after one that did not also runs Amphista's stages over the
+        # positions they skipped (the catch-up pass): a cost of switching K=0 to K>0 once, which
+        # read as the price of drafting would keep the controller at K=0 once there.
+        if seconds is None or (k_proposed and not asked):
+            return
+        num_tokens = sum(num_tokens for num_tokens, _, _ in requests)
+        (self._proposing_steps if k_proposed else self._idle_steps).observe(num_tokens, seconds)
+        proposing, idle = self._proposing_steps.measured(num_tokens), self._idle_steps.measured(num_tokens)
+        if proposing is not None and idle is not None:
+            self.drafter_cost.learn(num_tokens, max(proposing - idle, 0.0))
+        self.cost.observe(num_tokens, seconds if k_proposed else seconds + self._drafter_seconds(num_tokens))
