@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from vllm_amphista.draft_length import AdaptiveDraftLength, DraftAcceptance, StepCost, calibration_sizes
+from vllm_amphista.draft_length import (AdaptiveDraftLength, ConfidenceCut, DraftAcceptance, StepCost,
+                                        calibration_sizes)
 
 
 def test_step_cost_interpolates_and_extrapolates_pessimistically():
@@ -173,3 +174,24 @@ def test_summary_counts_the_choices_since_the_last_one():
     assert "acceptance by position [0.50, 0.50, 0.50, 0.50]" in summary and "verified {1: 10.0, 2: 20.0" in summary
     assert "of them the drafter's {1: 2.0}" in summary
     assert "draft length chosen (none)" in controller.summary()
+
+
+def test_weak_drafts_are_cut_only_where_verifying_them_costs_the_step():
+    cut = ConfidenceCut(min_confidence=0.1, max_k=4)
+    assert cut(1) == 0.1 and cut.timed_batch_sizes == []  # not calibrated: cut
+    # Batch 1: 5 tokens cost what 1 does (bf16 oneDNN on a Zen 4); batch 2: 1% a token; batch 4: 12%.
+    cut.calibrate({1: 0.020, 2: 0.020, 4: 0.021, 5: 0.019, 8: 0.022, 10: 0.0208, 20: 0.0308})
+    assert cut.timed_batch_sizes == [1, 2, 4]
+    assert [cut(b) for b in (1, 2, 3, 4)] == [0.0, 0.0, 0.1, 0.1]  # batch 3 read at 4, the next timed size
+    assert cut(5) == 0.1  # above every batch size with a full draft timed
+    cut.calibrate({1: 0.020, 5: 0.030})  # 12.5% a token
+    assert cut(1) == 0.1
+
+
+def test_a_host_side_drafter_is_never_priced_from_two_steps_noise():
+    controller = AdaptiveDraftLength(max_k=1, explore_every=0)
+    controller.calibrate({1: 0.020, 2: 0.021}, {})  # ANPD: no part of the step is the drafter's
+    controller.observe_step([(1, 0, 0)], 0.023, k_proposed=1)
+    controller.observe_step([(1, 0, 0)], 0.020, k_proposed=0)  # 3 ms of noise apart
+    assert controller.drafter_cost.sizes == []
+    assert 1 / controller.rate(1, 0) >= 0.020  # K=0 costs a real step, not 3 ms less

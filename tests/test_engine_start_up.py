@@ -1,7 +1,7 @@
 """What an engine of ours does at start-up, before the first request: the load-aware draft
-length's step-cost tables are timed, in an engine core in this process and in one of its own
-(which loads the plugin only once it is being built), and a 16-bit dtype the CPU emulates draws
-one warning.
+length's step-cost tables are timed (and handed to ANPD's confidence cut), in an engine core in
+this process and in one of its own (which loads the plugin only once it is being built), and a
+16-bit dtype the CPU emulates draws one warning.
 
 The CPU without bf16 units is imitated by handing the plugin's dtype chooser an AVX2-only flag
 list (`VLLM_AMPHISTA_CPU_FLAGS`), never by capping oneDNN under a live bf16 engine: on an AMX CPU
@@ -31,8 +31,10 @@ def test_cost_table_is_timed_at_start_up_and_emulated_bf16_warns_once(tiny_llama
             controller = scheduler.dynamic_sd_lookup
             before = {{size: controller.cost.predict(size) for size in controller.cost.sizes}}
             drafter = controller.drafter_cost.sizes
+            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+            cut_sizes = runner.drafter.confidence_cut.timed_batch_sizes
             llm.generate([{{"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7, 8]}}], SamplingParams(max_tokens=8))
-            print("REPORT=" + json.dumps({{"before": before, "drafter": drafter}}))
+            print("REPORT=" + json.dumps({{"before": before, "drafter": drafter, "cut_sizes": cut_sizes}}))
     """)
     completed = run_python(script, extra_env={FLAGS_OVERRIDE: "sse4_2 avx avx2 fma"})
     report = report_of(completed)
@@ -40,6 +42,8 @@ def test_cost_table_is_timed_at_start_up_and_emulated_bf16_warns_once(tiny_llama
     assert sizes == calibration_sizes(3, max_batch_size=4, max_tokens=256) == [1, 2, 3, 4, 6, 8, 12, 16]
     assert all(seconds > 0 for seconds in report["before"].values())
     assert report["drafter"] == []  # ANPD drafts on the host, in every step alike
+    # ANPD's confidence cut read the same timings: every batch size timed with and without 3 drafts each.
+    assert report["cut_sizes"] == [1, 2, 3, 4]
     logs = completed.stdout + completed.stderr  # vLLM's logger writes to stdout
     assert logs.count(WARNING_START) == 1, logs[-3000:]
 

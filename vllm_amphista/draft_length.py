@@ -19,9 +19,9 @@ A step in which the drafter proposes costs more than one in which it does
 not (Amphista's stages and heads run; at K=0 the stages wait for the next
 drafting step's catch-up pass): T(n) is the time of a step that proposes,
 and a step that proposes nothing costs T(n) - D(n), D the drafter's own time.
-D starts from start-up timings (none for ANPD, whose drafting is host-side)
-and is learned as T(n) - I(n) wherever real steps that propose (T) and real
-steps that propose nothing (I) both ran at n tokens; elsewhere it is the
+D starts from start-up timings (none for ANPD, whose drafting is host-side:
+its D stays 0) and is learned as T(n) - I(n) wherever real steps that propose
+(T) and real steps that propose nothing (I) both ran at n tokens; elsewhere it is the
 start-up D scaled by real over start-up D at the nearest such size. A real
 drafter costs more than its start-up timing (its glue, the catch-up pass), so
 unlearned, K=0 would be priced too high.
@@ -182,6 +182,44 @@ def calibration_sizes(max_k: int, max_batch_size: int, max_tokens: int) -> list[
     return sorted(size for size in sizes if size <= max_tokens)
 
 
+# A draft token that costs a step at most this share of it to verify is worth verifying even at the
+# confidence at which the per-request cut drops it (mostly 2-gram matches, accepted ~20% of the time).
+# Replayed on the target's answers (BENCHMARKS 46a), the cut lost 4% where a token cost ~1.5% of a
+# step and won 2% where it cost 7%.
+CHEAP_DRAFT_TOKEN = 0.03
+
+
+class ConfidenceCut:
+    """The running confidence below which a request's draft stops, by batch size: `min_confidence`
+    where verifying max_k draft tokens per request costs a step more than CHEAP_DRAFT_TOKEN of it a
+    token, nothing where it costs less. Read from start-up timings of whole steps (tokens ->
+    seconds, as `calibration_sizes` times them) at the smallest timed batch size at or above the
+    live one; where none was timed, or before `calibrate`, the cut holds."""
+
+    def __init__(self, min_confidence: float, max_k: int) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        self.min_confidence = min_confidence
+        self.max_k = max_k
+        self._cheap: dict[int, bool] = {}  # timed batch size -> whether a full draft is cheap to verify there
+
+    def calibrate(self, step_seconds: dict[int, float]) -> None:
+        self._cheap = {}
+        for batch_size in sorted(step_seconds):
+            plain, verified = step_seconds[batch_size], step_seconds.get(batch_size * (1 + self.max_k))
+            if verified is not None and plain > 0.0:
+                self._cheap[batch_size] = verified / plain - 1.0 <= CHEAP_DRAFT_TOKEN * self.max_k
+
+    @property
+    def timed_batch_sizes(self) -> list[int]:
+        """Batch sizes whose steps with and without a full draft were both timed."""
+        return sorted(self._cheap)
+
+    def __call__(self, batch_size: int) -> float:
+        timed = [size for size in self._cheap if size >= batch_size]
+        return 0.0 if timed and self._cheap[min(timed)] else self.min_confidence
+
+
 class AdaptiveDraftLength:
     """The scheduler's draft length for a batch size: `controller[batch_size]`, as vLLM's
     per-batch-size schedule is read; fed each finished step through `observe_step`."""
@@ -194,6 +232,10 @@ class AdaptiveDraftLength:
         # Real steps apart by whether they proposed, to learn D where both ran.
         self._proposing_steps = StepCost()
         self._idle_steps = StepCost()
+        # Only a drafter whose start-up timing found a part that idle steps skip (Amphista's stages) has
+        # a D to learn: for one that drafts on the host (ANPD), T(n) - I(n) is two steps' noise, and a
+        # few ms of it would price K=0 below a plain step.
+        self._drafter_skips_idle_steps = False
         self.acceptance = DraftAcceptance(max_k)
         self._choices = 0
         self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
@@ -205,6 +247,7 @@ class AdaptiveDraftLength:
         the drafter's part of them."""
         self.cost.calibrate(step_seconds)
         self.drafter_cost.calibrate(drafter_seconds)
+        self._drafter_skips_idle_steps = bool(self.drafter_cost.sizes)
 
     def _drafter_seconds(self, num_tokens: float) -> float:
         return self.drafter_cost.predict(num_tokens) or 0.0
@@ -270,6 +313,6 @@ class AdaptiveDraftLength:
         num_tokens = sum(num_tokens for num_tokens, _, _ in requests)
         (self._proposing_steps if k_proposed else self._idle_steps).observe(num_tokens, seconds)
         proposing, idle = self._proposing_steps.measured(num_tokens), self._idle_steps.measured(num_tokens)
-        if proposing is not None and idle is not None:
+        if proposing is not None and idle is not None and self._drafter_skips_idle_steps:
             self.drafter_cost.learn(num_tokens, max(proposing - idle, 0.0))
         self.cost.observe(num_tokens, seconds if k_proposed else seconds + self._drafter_seconds(num_tokens))

@@ -28,12 +28,14 @@ import torch
 
 from vllm_amphista.anpd import AnpdDrafter
 from vllm_amphista.answer_ngrams import AnswerNgrams, load_from_dir
+from vllm_amphista.draft_length import ConfidenceCut
 from vllm_amphista.vllm.config import anpd_answer_ngrams_dir, draft_length_mode
 
 # Contexts kept per request: a 4k-token request needs about 5 x 4k at N=6.
 MAX_CONTEXTS_PER_REQUEST = 65536
 # With a load-aware draft length, a request's draft stops where the n-gram chain's confidence
-# (anpd.NgramTables._predict) falls below this: weak matches are not verified for nothing.
+# (anpd.NgramTables._predict) falls below this, at batch sizes where verifying drafts costs the step
+# (draft_length.ConfidenceCut): weak matches are not verified for nothing.
 MIN_DRAFT_CONFIDENCE = 0.1
 
 
@@ -110,10 +112,11 @@ class RequestTables:
 class AnpdProposer:
     def __init__(self, vllm_config, runner):
         self.runner = runner
-        answer_ngrams = load_from_dir(anpd_answer_ngrams_dir(vllm_config.speculative_config.model))
-        self.tables = RequestTables(vllm_config, answer_ngrams)
-        adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
-        self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
+        spec = vllm_config.speculative_config
+        self.tables = RequestTables(vllm_config, load_from_dir(anpd_answer_ngrams_dir(spec.model)))
+        # Fixed draft lengths draft every match; `calibrate_draft_cut` reads the start-up timings.
+        self.confidence_cut = (ConfidenceCut(MIN_DRAFT_CONFIDENCE, spec.num_speculative_tokens)
+                               if draft_length_mode(spec) == "adaptive" else None)
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         # Async scheduling only: the requests that gained tokens this step -> their length; each
         # request's last token and count of valid sampled tokens, for vLLM's next step; and the
@@ -128,21 +131,32 @@ class AnpdProposer:
             return self._propose_padded(num_speculative_tokens, input_batch)
         req_ids = input_batch.req_ids
         self.tables.drafter.retain_only(self.runner.requests)
+        min_confidence = self._min_confidence(input_batch.num_reqs)
         drafts: list[list[int]] = []
         for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             # A prefill chunk, K=0 this step, or no room left: no draft.
             room = self.tables.sync_for_draft(input_batch, row, req_id, num_speculative_tokens) if sampled else 0
-            drafts.append(self.tables.drafter.draft(req_id, room, self.min_confidence) if room > 0 else [])
+            drafts.append(self.tables.drafter.draft(req_id, room, min_confidence) if room > 0 else [])
         return drafts
+
+    def calibrate_draft_cut(self, step_seconds: dict[int, float]) -> None:
+        """Start-up timings of whole steps (tokens -> seconds): where verifying drafts is cheap, drafts
+        are not cut by confidence."""
+        if self.confidence_cut is not None:
+            self.confidence_cut.calibrate(step_seconds)
+
+    def _min_confidence(self, batch_size: int) -> float:
+        return 0.0 if self.confidence_cut is None else self.confidence_cut(batch_size)
 
     def _propose_padded(self, k: int, input_batch) -> torch.Tensor:
         """[B, k] drafts for async scheduling; a row's tokens past its real draft are never verified."""
         drafts = torch.zeros((input_batch.num_reqs, k), dtype=torch.int64)
         self.draft_lengths = {}
+        min_confidence = self._min_confidence(input_batch.num_reqs)
         for row, req_id in enumerate(input_batch.req_ids):
             length = self._lengths.get(req_id)
             room = min(k, self.tables.max_model_len - length) if length else 0
-            draft = self.tables.drafter.draft(req_id, room, self.min_confidence) if room > 0 else []
+            draft = self.tables.drafter.draft(req_id, room, min_confidence) if room > 0 else []
             if draft:
                 drafts[row, :len(draft)] = torch.tensor(draft)
                 self.draft_lengths[req_id] = len(draft)

@@ -872,7 +872,8 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
     a step that proposes nothing skips that part (Amphista deferring its stages); the fastest of
     `repeats` after one untimed run. Amphista's part is timed apart from the target's and added to
     it (the runner's dummy step would run its stages twice, alone and in its drafting pass), so
-    noise cannot leave the target's part at nothing."""
+    noise cannot leave the target's part at nothing. A drafter that cuts weak drafts by the cost of
+    verifying them (ANPD's) is handed the step timings too."""
     import torch
 
     from vllm_amphista.vllm.amphista import AmphistaProposer
@@ -906,6 +907,10 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
     finally:
         if amphista:
             del drafter.dummy_run
+    # ANPD cuts weak drafts only at batch sizes where verifying them costs the step.
+    calibrate_draft_cut = getattr(drafter, "calibrate_draft_cut", None)
+    if calibrate_draft_cut is not None:
+        calibrate_draft_cut(step_seconds)
     return step_seconds, drafter_seconds
 
 
