@@ -232,10 +232,6 @@ class AdaptiveDraftLength:
         # Real steps apart by whether they proposed, to learn D where both ran.
         self._proposing_steps = StepCost()
         self._idle_steps = StepCost()
-        # Only a drafter whose start-up timing found a part that idle steps skip (Amphista's stages) has
-        # a D to learn: for one that drafts on the host (ANPD), T(n) - I(n) is two steps' noise, and a
-        # few ms of it would price K=0 below a plain step.
-        self._drafter_skips_idle_steps = False
         self.acceptance = DraftAcceptance(max_k)
         self._choices = 0
         self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
@@ -247,7 +243,6 @@ class AdaptiveDraftLength:
         the drafter's part of them."""
         self.cost.calibrate(step_seconds)
         self.drafter_cost.calibrate(drafter_seconds)
-        self._drafter_skips_idle_steps = bool(self.drafter_cost.sizes)
 
     def _drafter_seconds(self, num_tokens: float) -> float:
         return self.drafter_cost.predict(num_tokens) or 0.0
@@ -313,6 +308,9 @@ class AdaptiveDraftLength:
         num_tokens = sum(num_tokens for num_tokens, _, _ in requests)
         (self._proposing_steps if k_proposed else self._idle_steps).observe(num_tokens, seconds)
         proposing, idle = self._proposing_steps.measured(num_tokens), self._idle_steps.measured(num_tokens)
-        if proposing is not None and idle is not None and self._drafter_skips_idle_steps:
+        # Only a drafter whose start-up timing found a part that idle steps skip (Amphista's stages) has
+        # a D to learn: for one that drafts on the host (ANPD), T(n) - I(n) is two steps' noise, and a
+        # few ms of it would price K=0 below a plain step.
+        if proposing is not None and idle is not None and self.drafter_cost.sizes:
             self.drafter_cost.learn(num_tokens, max(proposing - idle, 0.0))
         self.cost.observe(num_tokens, seconds if k_proposed else seconds + self._drafter_seconds(num_tokens))
