@@ -194,7 +194,8 @@ class ConfidenceCut:
     where verifying max_k draft tokens per request costs a step more than CHEAP_DRAFT_TOKEN of it a
     token, nothing where it costs less. Read from start-up timings of whole steps (tokens ->
     seconds, as `calibration_sizes` times them) at the smallest timed batch size at or above the
-    live one; where none was timed, or before `calibrate`, the cut holds."""
+    live one; where none was timed, or before `calibrate`, the cut holds. A `min_confidence` of 0
+    never cuts (fixed draft lengths)."""
 
     def __init__(self, min_confidence: float, max_k: int) -> None:
         if max_k < 1:

@@ -72,11 +72,13 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_amphista.configuration_amphista import NUM_STAGES, AmphistaConfig
+from vllm_amphista.draft_length import ConfidenceCut
 from vllm_amphista.modeling_amphista import AutoEmbeddingBlock, draft_chain, greedy_tokens
 from vllm_amphista.vllm.config import draft_length_mode
 
 # With a load-aware draft length, a request's draft stops where the product of its heads'
-# probabilities for their own tokens falls below this: unlikely tokens are not verified for nothing.
+# probabilities for their own tokens falls below this, at batch sizes where verifying drafts costs
+# the step (draft_length.ConfidenceCut): unlikely tokens are not verified for nothing.
 MIN_DRAFT_CONFIDENCE = 0.1
 
 # How many positions a request's stages may fall behind on steps that draft nothing before they
@@ -446,6 +448,9 @@ class AmphistaProposer(EagleProposer):
                                 and not vllm_config.scheduler_config.async_scheduling)
         # Whether the heads' chains come with each head's probability of its token.
         self.with_confidence = self.truncate_drafts
+        # The start-up timing calibrates the cut.
+        self.confidence_cut = ConfidenceCut(MIN_DRAFT_CONFIDENCE if self.truncate_drafts else 0.0,
+                                            vllm_config.speculative_config.num_speculative_tokens)
         parallel = vllm_config.parallel_config
         # With data or context parallelism a rank that skips its stages would leave the others
         # waiting in the pass's collectives.
@@ -545,7 +550,10 @@ class AmphistaProposer(EagleProposer):
             return token_ids
         if not num_speculative_tokens:
             return [[] for _ in range(token_ids.shape[0])]
-        lengths = (confidence.cumprod(dim=1) >= MIN_DRAFT_CONFIDENCE).sum(dim=1).tolist()
+        min_confidence = self.confidence_cut(token_ids.shape[0])
+        if not min_confidence:
+            return token_ids.tolist()
+        lengths = (confidence.cumprod(dim=1) >= min_confidence).sum(dim=1).tolist()
         return [row[:length] for row, length in zip(token_ids.tolist(), lengths)]
 
     def drop_finished(self, req_ids) -> None:

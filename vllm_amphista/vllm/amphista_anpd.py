@@ -25,6 +25,7 @@ import torch
 
 from vllm_amphista.anpd import confident_prefix
 from vllm_amphista.answer_ngrams import load_from_dir
+from vllm_amphista.draft_length import ConfidenceCut
 from vllm_amphista.hybrid import hybrid_draft
 from vllm_amphista.vllm.amphista import MIN_DRAFT_CONFIDENCE, AmphistaProposer
 from vllm_amphista.vllm.anpd import RequestTables
@@ -37,7 +38,8 @@ class AmphistaAnpdProposer(AmphistaProposer):
         # Where the heads dir ships the target's answer n-grams, the tables fall back on them.
         self.tables = RequestTables(vllm_config, load_from_dir(vllm_config.speculative_config.model))
         adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
-        self.min_confidence = MIN_DRAFT_CONFIDENCE if adaptive else 0.0
+        self.confidence_cut = ConfidenceCut(MIN_DRAFT_CONFIDENCE if adaptive else 0.0,
+                                            vllm_config.speculative_config.num_speculative_tokens)
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._heads_chains: dict[str, list[tuple[int, float]]] = {}
         self._lengths: dict[str, int] = {}  # requests that gained tokens this step -> their length
@@ -72,10 +74,12 @@ class AmphistaAnpdProposer(AmphistaProposer):
         if not self._draft_length:
             return drafts
         final = drafts.clone() if torch.is_tensor(drafts) else []
-        for row, req_id in enumerate(self.runner.input_batch.req_ids):
+        req_ids = self.runner.input_batch.req_ids
+        min_confidence = self.confidence_cut(len(req_ids))
+        for row, req_id in enumerate(req_ids):
             chain, length = self._heads_chains.get(req_id), self._lengths.get(req_id)
             room = min(self._draft_length, self.tables.max_model_len - length) if chain and length else 0
-            draft = self._final_draft(req_id, chain, room) if room > 0 else []
+            draft = self._final_draft(req_id, chain, room, min_confidence) if room > 0 else []
             if torch.is_tensor(final):
                 if draft:
                     final[row, :len(draft)] = torch.tensor(draft, dtype=final.dtype)
@@ -83,10 +87,11 @@ class AmphistaAnpdProposer(AmphistaProposer):
                 final.append(draft)
         return final
 
-    def _final_draft(self, req_id: str, chain: list[tuple[int, float]], room: int) -> list[int]:
+    def _final_draft(self, req_id: str, chain: list[tuple[int, float]], room: int,
+                     min_confidence: float) -> list[int]:
         drafter = self.tables.drafter
         scored = hybrid_draft(chain, lambda n, prefix: drafter.scored_draft(req_id, n, prefix), room)
-        return confident_prefix(scored, self.min_confidence)
+        return confident_prefix(scored, min_confidence)
 
     def drop_finished(self, req_ids) -> None:
         super().drop_finished(req_ids)

@@ -114,9 +114,9 @@ class AnpdProposer:
         self.runner = runner
         spec = vllm_config.speculative_config
         self.tables = RequestTables(vllm_config, load_from_dir(anpd_answer_ngrams_dir(spec.model)))
-        # Fixed draft lengths draft every match; `calibrate_draft_cut` reads the start-up timings.
-        self.confidence_cut = (ConfidenceCut(MIN_DRAFT_CONFIDENCE, spec.num_speculative_tokens)
-                               if draft_length_mode(spec) == "adaptive" else None)
+        # Fixed draft lengths draft every match; the start-up timing calibrates the cut.
+        self.confidence_cut = ConfidenceCut(MIN_DRAFT_CONFIDENCE if draft_length_mode(spec) == "adaptive" else 0.0,
+                                            spec.num_speculative_tokens)
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         # Async scheduling only: the requests that gained tokens this step -> their length; each
         # request's last token and count of valid sampled tokens, for vLLM's next step; and the
@@ -131,7 +131,7 @@ class AnpdProposer:
             return self._propose_padded(num_speculative_tokens, input_batch)
         req_ids = input_batch.req_ids
         self.tables.drafter.retain_only(self.runner.requests)
-        min_confidence = self._min_confidence(input_batch.num_reqs)
+        min_confidence = self.confidence_cut(input_batch.num_reqs)
         drafts: list[list[int]] = []
         for row, (req_id, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             # A prefill chunk, K=0 this step, or no room left: no draft.
@@ -139,20 +139,11 @@ class AnpdProposer:
             drafts.append(self.tables.drafter.draft(req_id, room, min_confidence) if room > 0 else [])
         return drafts
 
-    def calibrate_draft_cut(self, step_seconds: dict[int, float]) -> None:
-        """Start-up timings of whole steps (tokens -> seconds): where verifying drafts is cheap, drafts
-        are not cut by confidence."""
-        if self.confidence_cut is not None:
-            self.confidence_cut.calibrate(step_seconds)
-
-    def _min_confidence(self, batch_size: int) -> float:
-        return 0.0 if self.confidence_cut is None else self.confidence_cut(batch_size)
-
     def _propose_padded(self, k: int, input_batch) -> torch.Tensor:
         """[B, k] drafts for async scheduling; a row's tokens past its real draft are never verified."""
         drafts = torch.zeros((input_batch.num_reqs, k), dtype=torch.int64)
         self.draft_lengths = {}
-        min_confidence = self._min_confidence(input_batch.num_reqs)
+        min_confidence = self.confidence_cut(input_batch.num_reqs)
         for row, req_id in enumerate(input_batch.req_ids):
             length = self._lengths.get(req_id)
             room = min(k, self.tables.max_model_len - length) if length else 0

@@ -873,7 +873,7 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
     `repeats` after one untimed run. Amphista's part is timed apart from the target's and added to
     it (the runner's dummy step would run its stages twice, alone and in its drafting pass), so
     noise cannot leave the target's part at nothing. A drafter that cuts weak drafts by the cost of
-    verifying them (ANPD's) is handed the step timings too."""
+    verifying them is handed the target's part: what verifying more tokens adds."""
     import torch
 
     from vllm_amphista.vllm.amphista import AmphistaProposer
@@ -889,13 +889,14 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
         hidden_states, _ = runner._dummy_run(num_tokens)
         runner.model.compute_logits(hidden_states[:num_tokens])
 
-    step_seconds, drafter_seconds = {}, {}
+    step_seconds, drafter_seconds, target_seconds = {}, {}, {}
     if amphista:  # the runner's dummy step runs the target alone
         drafter.dummy_run = lambda *args, **kwargs: None
     try:
         with torch.inference_mode():
             for num_tokens in sizes:
                 step_seconds[num_tokens], _ = fastest(dummy_step, num_tokens)
+                target_seconds[num_tokens] = step_seconds[num_tokens]
                 if not amphista:
                     continue
                 stages, _ = fastest(super(AmphistaProposer, drafter).dummy_run, num_tokens)
@@ -907,10 +908,10 @@ def _time_dummy_steps(worker, sizes: list[int], repeats: int = 2) -> tuple[dict[
     finally:
         if amphista:
             del drafter.dummy_run
-    # ANPD cuts weak drafts only at batch sizes where verifying them costs the step.
-    calibrate_draft_cut = getattr(drafter, "calibrate_draft_cut", None)
-    if calibrate_draft_cut is not None:
-        calibrate_draft_cut(step_seconds)
+    # The plugin's drafters cut weak drafts only at batch sizes where verifying them costs the step.
+    confidence_cut = getattr(drafter, "confidence_cut", None)
+    if confidence_cut is not None:
+        confidence_cut.calibrate(target_seconds)
     return step_seconds, drafter_seconds
 
 
