@@ -443,13 +443,13 @@ class AmphistaProposer(EagleProposer):
     def __init__(self, vllm_config, device, runner):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
+        adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
         # Per-request lengths need list drafts; async scheduling reads them as one [B, K] tensor.
-        self.truncate_drafts = (draft_length_mode(vllm_config.speculative_config) == "adaptive"
-                                and not vllm_config.scheduler_config.async_scheduling)
+        self.truncate_drafts = adaptive and not vllm_config.scheduler_config.async_scheduling
         # Whether the heads' chains come with each head's probability of its token.
         self.with_confidence = self.truncate_drafts
-        # The start-up timing calibrates the cut.
-        self.confidence_cut = ConfidenceCut(MIN_DRAFT_CONFIDENCE if self.truncate_drafts else 0.0,
+        # The start-up timing calibrates the cut (read where drafts are truncated, and by the hybrid).
+        self.confidence_cut = ConfidenceCut(MIN_DRAFT_CONFIDENCE if adaptive else 0.0,
                                             vllm_config.speculative_config.num_speculative_tokens)
         parallel = vllm_config.parallel_config
         # With data or context parallelism a rank that skips its stages would leave the others

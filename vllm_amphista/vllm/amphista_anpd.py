@@ -25,11 +25,9 @@ import torch
 
 from vllm_amphista.anpd import confident_prefix
 from vllm_amphista.answer_ngrams import load_from_dir
-from vllm_amphista.draft_length import ConfidenceCut
 from vllm_amphista.hybrid import hybrid_draft
-from vllm_amphista.vllm.amphista import MIN_DRAFT_CONFIDENCE, AmphistaProposer
+from vllm_amphista.vllm.amphista import AmphistaProposer
 from vllm_amphista.vllm.anpd import RequestTables
-from vllm_amphista.vllm.config import draft_length_mode
 
 
 class AmphistaAnpdProposer(AmphistaProposer):
@@ -37,9 +35,6 @@ class AmphistaAnpdProposer(AmphistaProposer):
         super().__init__(vllm_config, device, runner)
         # Where the heads dir ships the target's answer n-grams, the tables fall back on them.
         self.tables = RequestTables(vllm_config, load_from_dir(vllm_config.speculative_config.model))
-        adaptive = draft_length_mode(vllm_config.speculative_config) == "adaptive"
-        self.confidence_cut = ConfidenceCut(MIN_DRAFT_CONFIDENCE if adaptive else 0.0,
-                                            vllm_config.speculative_config.num_speculative_tokens)
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
         self._heads_chains: dict[str, list[tuple[int, float]]] = {}
         self._lengths: dict[str, int] = {}  # requests that gained tokens this step -> their length
