@@ -16,11 +16,19 @@ def test_step_cost_interpolates_and_extrapolates_pessimistically():
     assert cost.predict(3) == pytest.approx(0.012)
     assert cost.predict(1) == pytest.approx(0.010)
     assert cost.predict(10) == pytest.approx(0.028)  # never measured: proportional to tokens
-    cost.observe(5, 0.024)  # the median of the last few, not the last
-    assert cost.predict(5) == pytest.approx(0.019)
-    cost.observe(5, 0.100)  # one slow step (a catch-up pass) among normal ones
-    cost.observe(5, 0.019)
-    assert cost.predict(5) == pytest.approx(0.0215)
+
+
+def test_step_cost_reads_a_size_low_among_its_recent_steps():
+    cost = StepCost()
+    for seconds in (0.014, 0.024, 0.100, 0.090):  # two of four slowed by something else running
+        cost.observe(5, seconds)
+    assert cost.predict(5) == pytest.approx(0.014)
+    for _ in range(12):  # a burst of a dozen slow steps: the second fastest of the last 16 holds
+        cost.observe(5, 0.100)
+    assert cost.predict(5) == pytest.approx(0.024)
+    for _ in range(15):  # the step itself got dearer (longer contexts): followed within a window
+        cost.observe(5, 0.030)
+    assert cost.predict(5) == pytest.approx(0.030)
 
 
 def test_acceptance_by_position_and_early_stops():
@@ -89,6 +97,37 @@ def test_no_drafts_when_only_the_drafter_makes_drafting_lose():
     assert sum(k == 0 for k in chosen) > 0.8 * len(chosen)
 
 
+def test_a_step_without_drafts_is_timed_again_after_a_slow_spell_made_drafting_look_better():
+    # Batch 8 on a CPU where verifying is dear: a step of 8 tokens takes 48 ms, one of 16 takes 75
+    # plus 15 of drafter, so K=1 (1.6 tokens a request) loses to K=0. While the engine starts and
+    # for its first steps something else running slows the steps of 8 tokens, so the controller
+    # turns to K=1; it must find its way back, though a step of 8 tokens then runs only when it
+    # tries K=0.
+    timings = [0]
+
+    def step_seconds(tokens: int) -> float:
+        timings[0] += 1
+        if tokens == 8 and timings[0] <= 50:  # 16 timed at start-up, then the first steps
+            return 0.150
+        return 0.048 + 0.027 * (tokens - 8) / 8
+
+    chosen = simulate(step_seconds, accept_probability=0.6, batch_size=8, max_k=1, drafter_seconds=0.015)
+    assert sum(k == 0 for k in chosen) > 0.8 * len(chosen)
+
+
+def test_tries_of_other_draft_lengths_thin_out_while_they_change_nothing():
+    controller = AdaptiveDraftLength(max_k=4, explore_every=16, max_explore_every=256)
+    controller.calibrate({n: 0.010 * n for n in range(1, 41)}, {})  # compute bound: K=0 is best
+    tries = [controller[8] for _ in range(1000)]
+    # Gaps doubling from 16 to 256: tries at choices 16, 48, 112, 240, 496 and 752 (every 32nd: 31).
+    assert tries.count(1) == 6 and set(tries) == {0, 1}
+    controller.calibrate({n: 0.010 for n in range(1, 41)}, {})  # verifying became free: K=4 is best
+    after = [controller[8] for _ in range(300)]
+    # Within the current gap (at most 256 choices) the best has moved: gaps start again at 16.
+    first_try = next(i for i, k in enumerate(after) if k != 4)
+    assert first_try < 256 and after[first_try + 1:].count(3) >= 2
+
+
 def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():
     controller = AdaptiveDraftLength(max_k=1, explore_every=0)
     controller.calibrate({8: 0.030, 16: 0.040}, {8: 0.010, 16: 0.012})
@@ -141,8 +180,8 @@ def test_start_up_timings_are_scaled_by_the_nearest_real_step():
     assert cost.predict(20) == pytest.approx(0.080)  # beyond the table: in proportion to tokens
     cost.observe(3, 0.022)  # between start-up sizes: 2x the start-up time interpolated there
     assert cost.predict(1) == pytest.approx(0.020)
-    cost.observe(10, 0.050)  # from then on, the median of the last few
-    assert cost.predict(10) == pytest.approx(0.045)
+    cost.observe(10, 0.050)  # from then on, low among the last few
+    assert cost.predict(10) == pytest.approx(0.040)
 
 
 def test_calibration_sizes_cover_one_to_k_plus_one_tokens_per_request():

@@ -34,12 +34,17 @@ table. Those timings lack what a real step adds around the model
 run for real is read as its start-up time scaled by real over start-up time
 at the nearest size that was. T is learned from the engine's own decode
 steps (seconds per step against tokens scheduled, D added back to steps that
-proposed nothing, steps that also caught up left out; per size the median of its last few steps,
-interpolated between sizes; sizes never timed
+proposed nothing, steps that also caught up left out; per size the second fastest of its last
+16 steps, interpolated between sizes; sizes never timed
 are extrapolated as if compute bound, which is pessimistic), acceptance from
 the tokens the rejection sampler accepted. To keep both current where the
-best K is not being run, every `explore_every`-th choice tries one K away
-from the best.
+best K is not being run, every `explore_every`-th choice at a batch size
+tries one K away from the best; a try of K=0 lasts three steps, since the
+first still verifies the last drafts and only the others time what a step
+without drafts costs. Tries
+cost something (for Amphista a try of K=1 after K=0 makes every request catch
+its stages up), so while they leave the best K where it was, the choices
+between them double, up to `max_explore_every`.
 
 Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 """
@@ -47,7 +52,6 @@ Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import Counter, deque
 
 
@@ -59,13 +63,15 @@ class StepCost:
     that was (what a real step adds, scheduling, sampling, per-request work, grows with the
     batch as the model's time does)."""
 
-    def __init__(self, window: int = 5) -> None:
+    def __init__(self, window: int = 16) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._startup: dict[int, float] = {}
-        # Per size, the median of its last `window` real steps: a step that also ran something
-        # else (Amphista's catch-up pass after steps without drafts) moves it little.
+        # Per size, the second fastest of its last `window` real steps (the fastest of fewer than
+        # nine): what else runs on the machine (the engine's front end, the OS) only ever adds time
+        # to a step, in bursts of up to a dozen steps, so a step's own cost sits low among its
+        # recent times.
         self._recent: dict[int, deque[float]] = {}
         self._measured: dict[int, float] = {}
 
@@ -84,10 +90,10 @@ class StepCost:
             return
         recent = self._recent.setdefault(num_tokens, deque(maxlen=self.window))
         recent.append(seconds)
-        self._measured[num_tokens] = statistics.median(recent)
+        self._measured[num_tokens] = sorted(recent)[(len(recent) - 1) // 8]
 
     def measured(self, num_tokens: int) -> float | None:
-        """The median of the last real steps of exactly num_tokens (None if none ran)."""
+        """The second fastest of the last real steps of exactly num_tokens (None if none ran)."""
         return self._measured.get(num_tokens)
 
     def learn(self, num_tokens: int, seconds: float) -> None:
@@ -221,20 +227,33 @@ class ConfidenceCut:
         return 0.0 if timed and self._cheap[min(timed)] else self.min_confidence
 
 
+class _Exploration:
+    """When a batch size next tries a K other than its best, and which side."""
+
+    __slots__ = ("every", "choices_left", "best", "upward")
+
+    def __init__(self, every: int, best: int) -> None:
+        self.every = self.choices_left = every
+        self.best = best  # at the last try
+        self.upward = False
+
+
 class AdaptiveDraftLength:
     """The scheduler's draft length for a batch size: `controller[batch_size]`, as vLLM's
     per-batch-size schedule is read; fed each finished step through `observe_step`."""
 
-    def __init__(self, max_k: int, explore_every: int = 16) -> None:
+    def __init__(self, max_k: int, explore_every: int = 16, max_explore_every: int = 256) -> None:
         self.max_k = max_k
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
         self.cost = StepCost()  # steps whose drafter proposes drafts (those that do not, with D added)
         self.drafter_cost = StepCost()  # D: the drafter's part of them
         # Real steps apart by whether they proposed, to learn D where both ran.
         self._proposing_steps = StepCost()
         self._idle_steps = StepCost()
         self.acceptance = DraftAcceptance(max_k)
-        self._choices = 0
+        self._exploration: dict[int, _Exploration] = {}  # by batch size
+        self._idle_choices_left = 0  # steps of a try of K=0 still to run
         self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
         # The K the drafts of the next step to be observed were proposed with.
         self._k_of_pending_drafts = max_k
@@ -267,11 +286,24 @@ class AdaptiveDraftLength:
 
     def __getitem__(self, batch_size: int) -> int:
         k = self.best(batch_size)
-        self._choices += 1
-        if self.explore_every and self._choices % self.explore_every == 0:
-            # Alternate above and below the best, so both neighbours stay measured.
-            step = 1 if (self._choices // self.explore_every) % 2 else -1
-            k = min(self.max_k, max(0, k + step))
+        if self._idle_choices_left:
+            self._idle_choices_left -= 1
+            k = 0
+        elif self.explore_every:
+            exploration = self._exploration.setdefault(batch_size, _Exploration(self.explore_every, k))
+            exploration.choices_left -= 1
+            if exploration.choices_left <= 0:
+                unchanged = k == exploration.best
+                exploration.every = (min(2 * exploration.every, self.max_explore_every) if unchanged
+                                     else self.explore_every)
+                exploration.choices_left, exploration.best = exploration.every, k
+                exploration.upward = not exploration.upward
+                # Alternate above and below the best, so both neighbours stay measured.
+                step = 1 if k == 0 or (exploration.upward and k < self.max_k) else -1
+                if k + step == 0:
+                    # The first step without drafts still verifies the last ones: time two more.
+                    self._idle_choices_left = 2
+                k += step
         self._recent_choices[batch_size, k] += 1
         return k
 
