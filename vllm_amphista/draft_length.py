@@ -41,10 +41,9 @@ the tokens the rejection sampler accepted. To keep both current where the
 best K is not being run, every `explore_every`-th choice at a batch size
 tries one K away from the best; a try of K=0 lasts three steps, since the
 first still verifies the last drafts and only the others time what a step
-without drafts costs. Tries
-cost something (for Amphista a try of K=1 after K=0 makes every request catch
-its stages up), so while they leave the best K where it was, the choices
-between them double, up to `max_explore_every`.
+without drafts costs. Tries cost something (for Amphista a try of K=1 after
+K=0 makes every request catch its stages up), so while they leave the best K
+where it was, the choices between them double, up to `max_explore_every`.
 
 Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 """
