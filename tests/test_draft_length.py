@@ -8,6 +8,11 @@ from vllm_amphista.draft_length import (AdaptiveDraftLength, ConfidenceCut, Draf
                                         calibration_sizes)
 
 
+def batch(request: tuple[int, int, int], size: int, first: int = 0) -> dict[str, tuple[int, int, int]]:
+    """`size` requests alike, by id: (tokens scheduled, drafted, accepted)."""
+    return {str(first + i): request for i in range(size)}
+
+
 def test_step_cost_interpolates_and_extrapolates_pessimistically():
     cost = StepCost()
     assert cost.predict(4) is None
@@ -23,12 +28,15 @@ def test_step_cost_reads_a_size_low_among_its_recent_steps():
     for seconds in (0.014, 0.024, 0.100, 0.090):  # two of four slowed by something else running
         cost.observe(5, seconds)
     assert cost.predict(5) == pytest.approx(0.014)
-    for _ in range(12):  # a burst of a dozen slow steps: the second fastest of the last 16 holds
+    for _ in range(30):  # a spell of 30 slow steps: the second fastest of the last 64 holds
         cost.observe(5, 0.100)
     assert cost.predict(5) == pytest.approx(0.024)
-    for _ in range(15):  # the step itself got dearer (longer contexts): followed within a window
+    for _ in range(63):  # the step itself got dearer (longer contexts): followed within a window
         cost.observe(5, 0.030)
     assert cost.predict(5) == pytest.approx(0.030)
+    cost.observe(5, 0.020)  # cheaper again (new requests, short contexts): read after two steps
+    cost.observe(5, 0.021)
+    assert cost.predict(5) == pytest.approx(0.021)
 
 
 def test_acceptance_by_position_and_early_stops():
@@ -59,13 +67,13 @@ def simulate(step_seconds, accept_probability: float, batch_size: int, steps: in
     for _ in range(steps):
         k = controller[batch_size]
         chosen.append(k)
-        requests = []
-        for _ in range(batch_size):
+        requests = {}
+        for req_id in range(batch_size):
             accepted = 0
             while accepted < pending and rng.random() < accept_probability:
                 accepted += 1
-            requests.append((1 + pending, pending, accepted))
-        seconds = step_seconds(sum(n for n, _, _ in requests)) + (drafter_seconds if k else 0.0)
+            requests[str(req_id)] = (1 + pending, pending, accepted)
+        seconds = step_seconds(sum(n for n, _, _ in requests.values())) + (drafter_seconds if k else 0.0)
         controller.observe_step(requests, seconds, k_proposed=k)
         pending = k
     return chosen[steps // 2:]
@@ -128,6 +136,19 @@ def test_tries_of_other_draft_lengths_thin_out_while_they_change_nothing():
     assert first_try < 256 and after[first_try + 1:].count(3) >= 2
 
 
+def test_when_the_best_moves_the_next_try_goes_back_soon():
+    # A best K read from one slow spell may be wrong: the K it left is tried again within
+    # explore_every choices, not after the long gap the tries had thinned out to.
+    controller = AdaptiveDraftLength(max_k=4, explore_every=16, max_explore_every=256)
+    controller.calibrate({n: 0.010 * n for n in range(1, 41)}, {})  # compute bound: K=0 is best
+    tries = [controller[8] for _ in range(760)]  # the try at choice 752 starts a gap of 256
+    assert tries[751] == 1 and tries.count(1) == 6
+    controller.calibrate({n: 0.010 for n in range(1, 41)}, {})  # verifying became free: K=4 is best
+    after = [controller[8] for _ in range(64)]
+    first_try = next(i for i, k in enumerate(after) if k != 4)
+    assert first_try <= 16 and after[first_try] == 3
+
+
 def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():
     controller = AdaptiveDraftLength(max_k=1, explore_every=0)
     controller.calibrate({8: 0.030, 16: 0.040}, {8: 0.010, 16: 0.012})
@@ -136,8 +157,8 @@ def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():
     without_the_drafter = AdaptiveDraftLength(max_k=1, explore_every=0)
     without_the_drafter.calibrate({8: 0.030, 16: 0.040}, {})
     assert without_the_drafter.best(8) == 1
-    controller.observe_step([], None, k_proposed=0)
-    controller.observe_step([(1, 0, 0)] * 8, 0.050, k_proposed=0)  # the first real step: an idle one
+    controller.observe_step({}, None, k_proposed=0)
+    controller.observe_step(batch((1, 0, 0), 8), 0.050, k_proposed=0)  # the first real step: an idle one
     # It is stored as the step it would have been with the drafter, 60 ms: twice the start-up time.
     assert controller.cost.predict(8) == pytest.approx(0.060) and controller.cost.predict(16) == pytest.approx(0.080)
     assert controller.best(8) == 0  # K=0: 8 tokens in 50 ms beat 12 in 80
@@ -146,25 +167,25 @@ def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():
 def test_the_drafters_real_cost_is_learned_where_steps_with_and_without_it_ran():
     controller = AdaptiveDraftLength(max_k=1, explore_every=0)
     controller.calibrate({8: 0.030, 16: 0.040}, {8: 0.010, 16: 0.012})
-    one_draft_each = [(2, 1, 1)] * 4 + [(2, 1, 0)] * 4  # 16 tokens verified
+    one_draft_each = batch((2, 1, 1), 4) | batch((2, 1, 0), 4, first=4)  # 16 tokens verified
     controller.observe_step(one_draft_each, 0.060, k_proposed=1)
     controller.observe_step(one_draft_each, 0.042, k_proposed=0)  # the drafter cost 18 ms here, not 12
     assert controller.drafter_cost.predict(16) == pytest.approx(0.018)
     assert controller.drafter_cost.predict(8) == pytest.approx(0.015)  # start-up D scaled as at 16
     assert controller.cost.predict(16) == pytest.approx(0.060)  # the idle step, with its real D added back
     # The first step to propose after an idle one also catches the stages up: not a drafting step's price.
-    controller.observe_step([(1, 0, 0)] * 8, 0.100, k_proposed=1)
+    controller.observe_step(batch((1, 0, 0), 8), 0.100, k_proposed=1)
     assert controller.cost.predict(8) == pytest.approx(0.045)  # still start-up T(8) scaled as at 16
-    controller.observe_step([(1, 0, 0)] * 8, 0.050, k_proposed=1)
+    controller.observe_step(batch((1, 0, 0), 8), 0.050, k_proposed=1)
     # A step of 8 tokens that proposes nothing never ran: 50 - 15 ms, not 50 - 10.
     assert 8 / controller.rate(8, 0) == pytest.approx(0.035)
 
 
 def test_acceptance_is_counted_against_the_draft_length_the_drafts_were_proposed_with():
     controller = AdaptiveDraftLength(max_k=4, explore_every=0)
-    controller.observe_step([], None, k_proposed=2)  # a step that only proposed (after a prefill)
+    controller.observe_step({}, None, k_proposed=2)  # a step that only proposed (after a prefill)
     # Two draft tokens asked, two drafted: position 3 was not asked for, so it keeps its prior count.
-    controller.observe_step([(3, 2, 2)], None, k_proposed=4)
+    controller.observe_step(batch((3, 2, 2), 1), None, k_proposed=4)
     asked = controller.acceptance._asked
     assert asked[1] > 2.0 and asked[2] == pytest.approx(2.0)
 
@@ -230,7 +251,41 @@ def test_weak_drafts_are_cut_only_where_verifying_them_costs_the_step():
 def test_a_host_side_drafter_is_never_priced_from_two_steps_noise():
     controller = AdaptiveDraftLength(max_k=1, explore_every=0)
     controller.calibrate({1: 0.020, 2: 0.021}, {})  # ANPD: no part of the step is the drafter's
-    controller.observe_step([(1, 0, 0)], 0.023, k_proposed=1)
-    controller.observe_step([(1, 0, 0)], 0.020, k_proposed=0)  # 3 ms of noise apart
+    controller.observe_step(batch((1, 0, 0), 1), 0.023, k_proposed=1)
+    controller.observe_step(batch((1, 0, 0), 1), 0.020, k_proposed=0)  # 3 ms of noise apart
     assert controller.drafter_cost.sizes == []
     assert 1 / controller.rate(1, 0) >= 0.020  # K=0 costs a real step, not 3 ms less
+
+
+def test_leaving_k0_is_charged_the_catch_up_of_the_stages_backlog():
+    # Batch 2, the drafter's stages 2 ms a token: K=1 gives 3 tokens in 60 ms, K=0 2 in 44 (10% less).
+    controller = AdaptiveDraftLength(max_k=1, explore_every=0, max_backlog=256)
+    sizes = range(1, 17)
+    controller.calibrate({n: 0.036 + 0.006 * n for n in sizes}, {n: 0.002 * n for n in sizes})
+    assert controller.best(2) == 1
+    for _ in range(40):
+        controller.observe_step(batch((1, 0, 0), 2), 0.044, k_proposed=0)
+    # 80 positions owed at the start-up 2 ms a token: 160 ms, 10 ms a step over 16 steps: K=0 stays.
+    assert controller.catch_up_seconds() == pytest.approx(0.160)
+    assert controller.best(2) == 0
+    controller.observe_step(batch((1, 0, 0), 2), 0.048 + 0.040, k_proposed=1)  # the catch-up: 0.5 ms a position
+    assert controller.catch_up_seconds() == 0.0 and controller.best(2) == 1
+    controller.observe_step(batch((2, 1, 1), 2), 0.052, k_proposed=0)  # both drafts accepted: 2 positions each
+    for _ in range(39):
+        controller.observe_step(batch((1, 0, 0), 2), 0.044, k_proposed=0)
+    assert controller.catch_up_seconds() == pytest.approx(0.041)  # learned: 2.6 ms a step, drafting still pays
+    assert controller.best(2) == 1
+    # Requests that left are no longer owed; at the bound the drafter catches up by itself.
+    controller.observe_step(batch((1, 0, 0), 1), 0.040, k_proposed=0)
+    assert controller.catch_up_seconds() == pytest.approx(42 * 0.0005)
+    for _ in range(214):
+        controller.observe_step(batch((1, 0, 0), 1), 0.040, k_proposed=0)
+    assert controller.catch_up_seconds() == 0.0
+
+
+def test_a_host_side_drafter_owes_no_catch_up():
+    controller = AdaptiveDraftLength(max_k=1, explore_every=0, max_backlog=256)
+    controller.calibrate({1: 0.020, 2: 0.021}, {})  # ANPD: nothing of its own skipped at K=0
+    for _ in range(40):
+        controller.observe_step(batch((1, 0, 0), 1), 0.020, k_proposed=0)
+    assert controller.catch_up_seconds() == 0.0 and controller.best(1) == 1

@@ -34,8 +34,8 @@ table. Those timings lack what a real step adds around the model
 run for real is read as its start-up time scaled by real over start-up time
 at the nearest size that was. T is learned from the engine's own decode
 steps (seconds per step against tokens scheduled, D added back to steps that
-proposed nothing, steps that also caught up left out; per size the second fastest of its last
-16 steps, interpolated between sizes; sizes never timed
+proposed nothing, steps that also caught up left out; per size the second
+fastest of its last 64 steps, interpolated between sizes; sizes never timed
 are extrapolated as if compute bound, which is pessimistic), acceptance from
 the tokens the rejection sampler accepted. To keep both current where the
 best K is not being run, every `explore_every`-th choice at a batch size
@@ -43,7 +43,20 @@ tries one K away from the best; a try of K=0 lasts three steps, since the
 first still verifies the last drafts and only the others time what a step
 without drafts costs. Tries cost something (for Amphista a try of K=1 after
 K=0 makes every request catch its stages up), so while they leave the best K
-where it was, the choices between them double, up to `max_explore_every`.
+where it was, the choices between them double, up to `max_explore_every`;
+when the best K moves, the next try, within `explore_every` choices, goes
+back to the K it left (a size read once more may have read slow).
+
+Leaving K=0 has a price of its own where the drafter's stages wait at K=0:
+the first drafting step runs them over every position they skipped, a
+prefill of up to hundreds of positions a request (at batch 8, three or four
+steps' time). The controller follows each request's backlog (positions
+stepped at K=0 since its stages last ran) and learns the catch-up's seconds
+a position from the steps that ran one (start: the drafter's start-up time a
+token at its largest timed size); a K>0 is charged the catch-up of the
+current backlog spread over `CATCH_UP_HORIZON` steps. So a batch that
+shrinks late in a K=0 stretch, its requests near their end, does not start
+drafting for a gain smaller than what catching up costs.
 
 Pure Python, no vLLM: the patches feed it the scheduler's outputs.
 """
@@ -62,15 +75,15 @@ class StepCost:
     that was (what a real step adds, scheduling, sampling, per-request work, grows with the
     batch as the model's time does)."""
 
-    def __init__(self, window: int = 16) -> None:
+    def __init__(self, window: int = 64) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._startup: dict[int, float] = {}
         # Per size, the second fastest of its last `window` real steps (the fastest of fewer than
         # nine): what else runs on the machine (the engine's front end, the OS) only ever adds time
-        # to a step, in bursts of up to a dozen steps, so a step's own cost sits low among its
-        # recent times.
+        # to a step, in spells of up to two dozen steps at twice the time, so a step's own cost sits
+        # low among its recent times; a real rise (longer contexts) is followed within a window.
         self._recent: dict[int, deque[float]] = {}
         self._measured: dict[int, float] = {}
 
@@ -89,7 +102,7 @@ class StepCost:
             return
         recent = self._recent.setdefault(num_tokens, deque(maxlen=self.window))
         recent.append(seconds)
-        self._measured[num_tokens] = sorted(recent)[(len(recent) - 1) // 8]
+        self._measured[num_tokens] = sorted(recent)[1 if len(recent) > 8 else 0]
 
     def measured(self, num_tokens: int) -> float | None:
         """The second fastest of the last real steps of exactly num_tokens (None if none ran)."""
@@ -226,6 +239,11 @@ class ConfidenceCut:
         return 0.0 if timed and self._cheap[min(timed)] else self.min_confidence
 
 
+# Steps over which a switch from K=0 to drafting must pay back the stages' catch-up: a regime
+# shorter than the controller's tries (every 16th choice or rarer) is not worth a switch.
+CATCH_UP_HORIZON = 16
+
+
 class _Exploration:
     """When a batch size next tries a K other than its best, and which side."""
 
@@ -241,7 +259,10 @@ class AdaptiveDraftLength:
     """The scheduler's draft length for a batch size: `controller[batch_size]`, as vLLM's
     per-batch-size schedule is read; fed each finished step through `observe_step`."""
 
-    def __init__(self, max_k: int, explore_every: int = 16, max_explore_every: int = 256) -> None:
+    def __init__(self, max_k: int, explore_every: int = 16, max_explore_every: int = 256,
+                 max_backlog: int | None = None) -> None:
+        """max_backlog: positions a request's stages may fall behind at K=0 before the drafter
+        catches them up anyway (None: no bound)."""
         self.max_k = max_k
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
@@ -251,6 +272,10 @@ class AdaptiveDraftLength:
         self._proposing_steps = StepCost()
         self._idle_steps = StepCost()
         self.acceptance = DraftAcceptance(max_k)
+        self.max_backlog = max_backlog
+        # Per running request, positions its stages owe (stepped at K=0 since they last ran).
+        self._backlog: dict[str, int] = {}
+        self._catch_up_per_position: deque[float] = deque(maxlen=8)  # seconds, from real catch-ups
         self._exploration: dict[int, _Exploration] = {}  # by batch size
         self._idle_choices_left = 0  # steps of a try of K=0 still to run
         self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
@@ -265,6 +290,22 @@ class AdaptiveDraftLength:
 
     def _drafter_seconds(self, num_tokens: float) -> float:
         return self.drafter_cost.predict(num_tokens) or 0.0
+
+    def catch_up_seconds(self) -> float:
+        """What the stages' catch-up over the running requests' backlogs would cost now (0 for a
+        drafter whose start-up timing found no part of a step to skip: ANPD's)."""
+        if not self.drafter_cost.sizes or not self._backlog:
+            return 0.0
+        per_position = self._learned_catch_up_per_position()
+        if per_position is None:
+            largest = self.drafter_cost.sizes[-1]
+            per_position = self._drafter_seconds(largest) / largest
+        return per_position * sum(self._backlog.values())
+
+    def _learned_catch_up_per_position(self) -> float | None:
+        """The median seconds a position of the last real catch-ups (None before one ran)."""
+        recent = sorted(self._catch_up_per_position)
+        return recent[len(recent) // 2] if recent else None
 
     def best(self, batch_size: int) -> int:
         rates = [self.rate(batch_size, k) for k in range(self.max_k + 1)]
@@ -281,6 +322,8 @@ class AdaptiveDraftLength:
             return None
         if k == 0:
             seconds = max(seconds - self._drafter_seconds(num_tokens), 1e-6)
+        else:
+            seconds += self.catch_up_seconds() / CATCH_UP_HORIZON
         return batch_size * (1.0 + accepted) / seconds
 
     def __getitem__(self, batch_size: int) -> int:
@@ -291,14 +334,19 @@ class AdaptiveDraftLength:
         elif self.explore_every:
             exploration = self._exploration.setdefault(batch_size, _Exploration(self.explore_every, k))
             exploration.choices_left -= 1
+            moved = k != exploration.best
+            if moved:
+                exploration.choices_left = min(exploration.choices_left, self.explore_every)
             if exploration.choices_left <= 0:
-                unchanged = k == exploration.best
-                exploration.every = (min(2 * exploration.every, self.max_explore_every) if unchanged
-                                     else self.explore_every)
-                exploration.choices_left, exploration.best = exploration.every, k
+                exploration.every = self.explore_every if moved else min(2 * exploration.every,
+                                                                         self.max_explore_every)
+                left, exploration.best = exploration.best, k
+                exploration.choices_left = exploration.every
                 exploration.upward = not exploration.upward
-                # Alternate above and below the best, so both neighbours stay measured.
-                step = 1 if k == 0 or (exploration.upward and k < self.max_k) else -1
+                if moved:  # back towards the K the best left
+                    step = 1 if left > k else -1
+                else:  # above and below the best in turn, so both neighbours stay measured
+                    step = 1 if k == 0 or (exploration.upward and k < self.max_k) else -1
                 if k + step == 0:
                     # The first step without drafts still verifies the last ones: time two more.
                     self._idle_choices_left = 2
@@ -322,22 +370,34 @@ class AdaptiveDraftLength:
         def table(cost: StepCost) -> str:
             return ", ".join(f"{size}: {1000 * cost.predict(size):.1f}" for size in cost.sizes) or "none timed"
 
+        per_position = self._learned_catch_up_per_position()
+        catch_up = "" if per_position is None else f"; the stages' catch-up {1e6 * per_position:.0f} us a position"
         return (f"ms per step by tokens verified {{{table(self.cost)}}}, of them the drafter's "
-                f"{{{table(self.drafter_cost)}}}")
+                f"{{{table(self.drafter_cost)}}}{catch_up}")
 
-    def observe_step(self, requests: list[tuple[int, int, int]], seconds: float | None, k_proposed: int) -> None:
-        """A finished step: per request (tokens scheduled, draft tokens scheduled, draft tokens
-        accepted); seconds is the step's wall time, None when it was not a pure decode step;
-        k_proposed the draft length its drafter proposed for the next step. Steps arrive in order."""
+    def observe_step(self, requests: dict[str, tuple[int, int, int]], seconds: float | None,
+                     k_proposed: int) -> None:
+        """A finished step: per decoding request, by id, (tokens scheduled, draft tokens scheduled,
+        draft tokens accepted); seconds is the step's wall time, None when it was not a pure decode
+        step; k_proposed the draft length its drafter proposed for the next step. Steps arrive in
+        order."""
         asked, self._k_of_pending_drafts = self._k_of_pending_drafts, k_proposed
-        for _, num_drafted, num_accepted in requests:
+        for _, num_drafted, num_accepted in requests.values():
             self.acceptance.observe(asked, num_drafted, num_accepted)
+        num_tokens = sum(num_tokens for num_tokens, _, _ in requests.values())
+        backlog = sum(self._backlog.get(req_id, 0) for req_id in requests)
+        self._follow_backlog(requests, deferred=not k_proposed and seconds is not None)
         # The first step that proposes after one that did not also runs Amphista's stages over the
-        # positions they skipped (the catch-up pass): a cost of switching K=0 to K>0 once, which
-        # read as the price of drafting would keep the controller at K=0 once there.
-        if seconds is None or (k_proposed and not asked):
+        # positions they skipped (the catch-up pass): a cost of switching K=0 to K>0 once, priced
+        # apart (per position caught up); read as the price of drafting it would keep the
+        # controller at K=0 once there.
+        if seconds is None:
             return
-        num_tokens = sum(num_tokens for num_tokens, _, _ in requests)
+        if k_proposed and not asked:
+            predicted = self.cost.predict(num_tokens)
+            if backlog and predicted is not None and self.drafter_cost.sizes:
+                self._catch_up_per_position.append(max(seconds - predicted, 0.0) / backlog)
+            return
         (self._proposing_steps if k_proposed else self._idle_steps).observe(num_tokens, seconds)
         proposing, idle = self._proposing_steps.measured(num_tokens), self._idle_steps.measured(num_tokens)
         # Only a drafter whose start-up timing found a part that idle steps skip (Amphista's stages) has
@@ -346,3 +406,17 @@ class AdaptiveDraftLength:
         if proposing is not None and idle is not None and self.drafter_cost.sizes:
             self.drafter_cost.learn(num_tokens, max(proposing - idle, 0.0))
         self.cost.observe(num_tokens, seconds if k_proposed else seconds + self._drafter_seconds(num_tokens))
+
+    def _follow_backlog(self, requests: dict[str, tuple[int, int, int]], deferred: bool) -> None:
+        """Each request's stage backlog after a step, as the drafter keeps it: a decode step that
+        proposes nothing adds the positions it kept (its sampled token and accepted drafts); any
+        other step runs the stages (a prefill chunk in the step makes them run for every request);
+        a backlog at its bound is caught up at once; requests not decoding are dropped."""
+        if not deferred:
+            self._backlog = {}
+            return
+        backlog = {}
+        for req_id, (_, _, num_accepted) in requests.items():
+            behind = self._backlog.get(req_id, 0) + 1 + num_accepted
+            backlog[req_id] = 0 if self.max_backlog is not None and behind >= self.max_backlog else behind
+        self._backlog = backlog

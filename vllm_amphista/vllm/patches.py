@@ -698,7 +698,10 @@ def _load_aware_draft_length() -> None:
             original(self, vllm_config, *args, **kwargs)
             spec = vllm_config.speculative_config
             if spec is not None and draft_length_mode(spec) == "adaptive":
-                self.dynamic_sd_lookup = controller = AdaptiveDraftLength(self.num_spec_tokens)
+                from vllm_amphista.vllm.amphista import MAX_DEFERRED_POSITIONS
+
+                self.dynamic_sd_lookup = controller = AdaptiveDraftLength(self.num_spec_tokens,
+                                                                          max_backlog=MAX_DEFERRED_POSITIONS)
                 self._amphista_step_started = {}
                 self._amphista_last_summary = time.monotonic()
                 startup_steps = getattr(spec, STARTUP_STEP_SECONDS, None)  # patch 12's timings
@@ -746,7 +749,7 @@ def _observe_step(controller, scheduler_output, model_runner_output, started: fl
     sampled = model_runner_output.sampled_token_ids
     index_of = model_runner_output.req_id_to_index
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    requests = []
+    requests = {}
     all_decoding = bool(scheduler_output.num_scheduled_tokens)
     for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
         num_drafted = len(spec_tokens.get(req_id, ()))
@@ -754,7 +757,7 @@ def _observe_step(controller, scheduler_output, model_runner_output, started: fl
         if num_tokens != 1 + num_drafted or index is None or index >= len(sampled) or not sampled[index]:
             all_decoding = False  # a prefill chunk
             continue
-        requests.append((num_tokens, num_drafted, len(sampled[index]) - 1))
+        requests[req_id] = (num_tokens, num_drafted, len(sampled[index]) - 1)
     seconds = time.perf_counter() - started if started is not None and all_decoding else None
     controller.observe_step(requests, seconds, scheduler_output.num_spec_tokens_to_schedule)
 
