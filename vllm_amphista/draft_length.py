@@ -86,12 +86,16 @@ class StepCost:
         # low among its recent times; a real rise (longer contexts) is followed within a window.
         self._recent: dict[int, deque[float]] = {}
         self._measured: dict[int, float] = {}
+        # Seconds by size as `predict` reads them, built once after each change: the controller
+        # reads the table for every K at every step.
+        self._table: dict[int, float] | None = None
 
     def calibrate(self, seconds_by_size: dict[int, float]) -> None:
         """Start from model-only timings taken at start-up (tokens -> seconds)."""
         for num_tokens, seconds in seconds_by_size.items():
             if num_tokens >= 1 and seconds > 0.0:
                 self._startup[num_tokens] = seconds
+        self._table = None
 
     @property
     def sizes(self) -> list[int]:
@@ -102,7 +106,10 @@ class StepCost:
             return
         recent = self._recent.setdefault(num_tokens, deque(maxlen=self.window))
         recent.append(seconds)
-        self._measured[num_tokens] = sorted(recent)[1 if len(recent) > 8 else 0]
+        measured = sorted(recent)[1 if len(recent) > 8 else 0]
+        if self._measured.get(num_tokens) != measured:
+            self._measured[num_tokens] = measured
+            self._table = None
 
     def measured(self, num_tokens: int) -> float | None:
         """The second fastest of the last real steps of exactly num_tokens (None if none ran)."""
@@ -113,9 +120,15 @@ class StepCost:
         if num_tokens >= 1 and seconds >= 0.0:
             self._recent.pop(num_tokens, None)
             self._measured[num_tokens] = seconds
+            self._table = None
 
     def predict(self, num_tokens: float) -> float | None:
         """Step time for num_tokens (None before any step was timed)."""
+        if self._table is None:
+            self._table = self._seconds_by_size()
+        return _interpolate(self._table, num_tokens)
+
+    def _seconds_by_size(self) -> dict[int, float]:
         measured = sorted(self._measured)
 
         def seconds(size: int) -> float:
@@ -127,7 +140,7 @@ class StepCost:
             near = min(measured[max(right - 1, 0):right + 1], key=lambda m: abs(m - size))
             return self._startup[size] * self._measured[near] / _interpolate(self._startup, near)
 
-        return _interpolate({size: seconds(size) for size in self.sizes}, num_tokens)
+        return {size: seconds(size) for size in self.sizes}
 
 
 def _interpolate(seconds_by_size: dict[int, float], num_tokens: float) -> float | None:
