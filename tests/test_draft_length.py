@@ -8,6 +8,10 @@ from vllm_amphista.draft_length import (AdaptiveDraftLength, ConfidenceCut, Draf
                                         calibration_sizes)
 
 
+# Start-up timings of a drafter with stages that wait at K=0 (Amphista's), seconds by step size.
+STAGES = {n: 0.001 for n in range(1, 41)}
+
+
 def batch(request: tuple[int, int, int], size: int, first: int = 0) -> dict[str, tuple[int, int, int]]:
     """`size` requests alike, by id: (tokens scheduled, drafted, accepted)."""
     return {str(first + i): request for i in range(size)}
@@ -124,12 +128,13 @@ def test_a_step_without_drafts_is_timed_again_after_a_slow_spell_made_drafting_l
 
 
 def test_tries_of_other_draft_lengths_thin_out_while_they_change_nothing():
+    # A drafter with stages that wait at K=0 (timed at start-up): its tries make them catch up.
     controller = AdaptiveDraftLength(max_k=4, explore_every=16, max_explore_every=256)
-    controller.calibrate({n: 0.010 * n for n in range(1, 41)}, {})  # compute bound: K=0 is best
+    controller.calibrate({n: 0.010 * n for n in range(1, 41)}, STAGES)  # compute bound: K=0 is best
     tries = [controller[8] for _ in range(1000)]
     # Gaps doubling from 16 to 256: tries at choices 16, 48, 112, 240, 496 and 752 (every 32nd: 31).
     assert tries.count(1) == 6 and set(tries) == {0, 1}
-    controller.calibrate({n: 0.010 for n in range(1, 41)}, {})  # verifying became free: K=4 is best
+    controller.calibrate({n: 0.010 for n in range(1, 41)}, STAGES)  # verifying became free: K=4 is best
     after = [controller[8] for _ in range(300)]
     # Within the current gap (at most 256 choices) the best has moved: gaps start again at 16.
     first_try = next(i for i, k in enumerate(after) if k != 4)
@@ -140,13 +145,46 @@ def test_when_the_best_moves_the_next_try_goes_back_soon():
     # A best K read from one slow spell may be wrong: the K it left is tried again within
     # explore_every choices, not after the long gap the tries had thinned out to.
     controller = AdaptiveDraftLength(max_k=4, explore_every=16, max_explore_every=256)
-    controller.calibrate({n: 0.010 * n for n in range(1, 41)}, {})  # compute bound: K=0 is best
+    controller.calibrate({n: 0.010 * n for n in range(1, 41)}, STAGES)  # compute bound: K=0 is best
     tries = [controller[8] for _ in range(760)]  # the try at choice 752 starts a gap of 256
     assert tries[751] == 1 and tries.count(1) == 6
-    controller.calibrate({n: 0.010 for n in range(1, 41)}, {})  # verifying became free: K=4 is best
+    controller.calibrate({n: 0.010 for n in range(1, 41)}, STAGES)  # verifying became free: K=4 is best
     after = [controller[8] for _ in range(64)]
     first_try = next(i for i, k in enumerate(after) if k != 4)
     assert first_try <= 16 and after[first_try] == 3
+
+
+def test_a_host_side_drafters_tries_do_not_thin_out():
+    controller = AdaptiveDraftLength(max_k=4, explore_every=16, max_explore_every=256)
+    controller.calibrate({n: 0.010 * n for n in range(1, 41)}, {})  # compute bound: K=0 is best
+    tries = [controller[8] for _ in range(1000)]
+    assert tries.count(1) == 1000 // 16
+
+
+def test_a_host_side_drafter_keeps_drafting_through_slow_spells():
+    # Batch 1, verifying nearly free, an n-gram match 60% of the time and its first token accepted
+    # 25% of the time: drafting pays. Slow spells (twice the time, 20 steps) start at 3% of steps,
+    # so a size that verifies drafts is often read slow, K=0 looks best, and only tries time it
+    # again: spaced out, a try lands in a spell as often as not and K=0 stays.
+    def run(seed: int) -> float:
+        rng = random.Random(seed)
+        controller = AdaptiveDraftLength(max_k=4)
+        controller.calibrate({n: 0.025 * (1 + 0.02 * (n - 1)) for n in range(1, 6)}, {})
+        pending = spell = idle = 0
+        for _ in range(520):
+            k = controller[1]
+            idle += k == 0
+            drafted = pending if rng.random() < 0.6 else 0
+            accepted = 0
+            while accepted < drafted and rng.random() < 0.25:
+                accepted += 1
+            spell = 20 if not spell and rng.random() < 0.03 else max(spell - 1, 0)
+            seconds = (2.0 if spell else 1.0) * 0.025 * (1 + 0.02 * drafted) * (1 + 0.1 * rng.random())
+            controller.observe_step({"0": (1 + drafted, drafted, accepted)}, seconds, k)
+            pending = k
+        return idle / 520
+
+    assert max(run(seed) for seed in range(30)) < 0.5
 
 
 def test_a_step_that_proposes_nothing_is_spared_the_drafters_time():

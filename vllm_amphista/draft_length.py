@@ -38,14 +38,15 @@ proposed nothing, steps that also caught up left out; per size the second
 fastest of its last 64 steps, interpolated between sizes; sizes never timed
 are extrapolated as if compute bound, which is pessimistic), acceptance from
 the tokens the rejection sampler accepted. To keep both current where the
-best K is not being run, every `explore_every`-th choice at a batch size
-tries one K away from the best; a try of K=0 lasts three steps, since the
-first still verifies the last drafts and only the others time what a step
-without drafts costs. Tries cost something (for Amphista a try of K=1 after
-K=0 makes every request catch its stages up), so while they leave the best K
-where it was, the choices between them double, up to `max_explore_every`;
-when the best K moves, the next try, within `explore_every` choices, goes
-back to the K it left (a size read once more may have read slow).
+best K is not being run, every `explore_every`-th choice at a batch size tries
+one K away from the best; a try of K=0 lasts three steps, since the first
+still verifies the last drafts and only the others time what a step without
+drafts costs. Amphista's tries cost something (a try of K=1 after K=0 makes
+every request catch its stages up), so while they leave the best K where it
+was, the choices between them double, up to `max_explore_every`; a host-side
+drafter's (ANPD's) stay every `explore_every`th. When the best K moves, the
+next try, within `explore_every` choices, goes back to the K it left (a size
+read once more may have read slow).
 
 Leaving K=0 has a price of its own where the drafter's stages wait at K=0:
 the first drafting step runs them over every position they skipped, a
@@ -351,8 +352,11 @@ class AdaptiveDraftLength:
             if moved:
                 exploration.choices_left = min(exploration.choices_left, self.explore_every)
             if exploration.choices_left <= 0:
-                exploration.every = self.explore_every if moved else min(2 * exploration.every,
-                                                                         self.max_explore_every)
+                # Only tries that make the stages catch up cost enough to thin out; a host-side
+                # drafter's try costs one step's few extra tokens, and spaced out they would leave
+                # a size read once in a slow spell deciding for hundreds of steps.
+                thin = not moved and bool(self.drafter_cost.sizes)
+                exploration.every = min(2 * exploration.every, self.max_explore_every) if thin else self.explore_every
                 left, exploration.best = exploration.best, k
                 exploration.choices_left = exploration.every
                 exploration.upward = not exploration.upward
