@@ -305,10 +305,16 @@ class AdaptiveDraftLength:
     def _drafter_seconds(self, num_tokens: float) -> float:
         return self.drafter_cost.predict(num_tokens) or 0.0
 
+    @property
+    def _skips_stages_at_k0(self) -> bool:
+        """Whether start-up timing found a part of the drafter that steps without drafts skip
+        (Amphista's stages, caught up later): a host-side drafter (ANPD) has none."""
+        return bool(self.drafter_cost.sizes)
+
     def catch_up_seconds(self) -> float:
         """What the stages' catch-up over the running requests' backlogs would cost now (0 for a
-        drafter whose start-up timing found no part of a step to skip: ANPD's)."""
-        if not self.drafter_cost.sizes or not self._backlog:
+        drafter with no stages to skip)."""
+        if not self._skips_stages_at_k0 or not self._backlog:
             return 0.0
         per_position = self._learned_catch_up_per_position()
         if per_position is None:
@@ -355,7 +361,7 @@ class AdaptiveDraftLength:
                 # Only tries that make the stages catch up cost enough to thin out; a host-side
                 # drafter's try costs one step's few extra tokens, and spaced out they would leave
                 # a size read once in a slow spell deciding for hundreds of steps.
-                thin = not moved and bool(self.drafter_cost.sizes)
+                thin = not moved and self._skips_stages_at_k0
                 exploration.every = min(2 * exploration.every, self.max_explore_every) if thin else self.explore_every
                 left, exploration.best = exploration.best, k
                 exploration.choices_left = exploration.every
@@ -412,15 +418,14 @@ class AdaptiveDraftLength:
             return
         if k_proposed and not asked:
             predicted = self.cost.predict(num_tokens)
-            if backlog and predicted is not None and self.drafter_cost.sizes:
+            if backlog and predicted is not None and self._skips_stages_at_k0:
                 self._catch_up_per_position.append(max(seconds - predicted, 0.0) / backlog)
             return
         (self._proposing_steps if k_proposed else self._idle_steps).observe(num_tokens, seconds)
         proposing, idle = self._proposing_steps.measured(num_tokens), self._idle_steps.measured(num_tokens)
-        # Only a drafter whose start-up timing found a part that idle steps skip (Amphista's stages) has
-        # a D to learn: for one that drafts on the host (ANPD), T(n) - I(n) is two steps' noise, and a
-        # few ms of it would price K=0 below a plain step.
-        if proposing is not None and idle is not None and self.drafter_cost.sizes:
+        # Only a drafter with stages to skip has a D to learn: for one that drafts on the host (ANPD),
+        # T(n) - I(n) is two steps' noise, and a few ms of it would price K=0 below a plain step.
+        if proposing is not None and idle is not None and self._skips_stages_at_k0:
             self.drafter_cost.learn(num_tokens, max(proposing - idle, 0.0))
         self.cost.observe(num_tokens, seconds if k_proposed else seconds + self._drafter_seconds(num_tokens))
 
