@@ -1,6 +1,7 @@
 """`python -m vllm_amphista.bench --quick` end to end on the random tiny Llama:
 every method and category gets a row, float32 speculation is lossless, the
-plots are PNGs, and a method without weights is reported as skipped."""
+plots are PNGs, a method without weights is reported as skipped, and two
+rounds of engine processes give two repeats."""
 
 import json
 import os
@@ -32,7 +33,7 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
         "--medusa-heads", str(tmp_path / "no-medusa-heads"), "--dtype", "float32", "--max-model-len", "256",
         "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")), "--out", str(out),
         "--engine", "eager",  # compiling each method's engine doubles the test's time (191 s against 98 s)
-        "--draft-length", "adaptive", "off",
+        "--draft-length", "adaptive", "off", "--rounds", "2",
     ]
     completed = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, **VLLM_CPU_TEST_ENV},
                                capture_output=True, text=True, timeout=600)
@@ -52,6 +53,7 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
             assert figure["differing_prompts"] == 0, (label, category)  # float32: lossless
     assert all(figure["tau"] == 1 for figure in runs["vanilla"]["figures"].values())
     for label in ("vanilla", "amphista"):  # each request's finish, within its generate call
+        assert len(runs[label]["repeats"]) == 2  # --quick's one repeat in each of two engine processes
         for repeat in runs[label]["repeats"]:
             for result in repeat.values():
                 assert len(result["request_seconds"]) == len(result["output_lengths"])
@@ -70,11 +72,12 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
 
 def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_dir, tmp_path):
     """`bench.steps --draft-length off`: speculation configured, K=0 at every step (tau exactly 1),
-    and the drafter's weight-read floor printed for Amphista; requests batched two at a time."""
+    and the drafter's weight-read floor printed for Amphista; requests batched two at a time, each
+    row's runs taken from two engine processes."""
     command = [
         sys.executable, "-m", "vllm_amphista.bench.steps", "--target", str(tiny_llama_dir),
         "--heads", str(random_heads_dir), "--methods", "vanilla,anpd,amphista", "--engines", "eager",
-        "--draft-length", "off", "--repeats", "1", "--max-tokens", "8", "--dtype", "float32", "--concurrency", "2",
+        "--draft-length", "off", "--repeats", "1", "--rounds", "2", "--max-tokens", "8", "--dtype", "float32", "--concurrency", "2",
         "--max-model-len", "256", "--categories", ",".join(CATEGORIES),
         "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")),
     ]
@@ -94,6 +97,8 @@ def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_di
         assert float(row["decode s"]) > 0 and row["speedup"].endswith("x")
     assert rows["vanilla"]["speedup"] == "1.00x"
     assert "concurrency 2," in completed.stdout
+    assert "median of 1 runs in each of 2 engine processes a row" in completed.stdout
+    assert completed.stderr.count("round 2/2: building") == 3
     assert rows["amphista"]["drafter floor"] != "-" and rows["amphista"]["drafter / floor"].endswith("x")
     assert rows["anpd"]["drafter floor"] == "-"
     assert "drafter floor: weights read per drafting step against the target's (amphista " in completed.stdout

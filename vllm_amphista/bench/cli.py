@@ -20,6 +20,9 @@ How it runs
   repeats interleave: repeat 1 of every method, then repeat 2, ... so that
   drift in the machine's speed hits every method alike. Each engine is warmed
   up before timing, and prefix caching is off so every repeat does the same work.
+  With `--rounds N` that is done N times with fresh engine processes, each round
+  starting one method later: one process can run a few percent off another for
+  its whole life, and only more processes average that out.
 - Each category's prompts are one `generate` call (the engine runs up to
   `concurrency` of them at a time), so every figure below exists per category;
   the "all" row sums the categories. Hence a concurrency above --per-category
@@ -136,16 +139,33 @@ def planned_rows(args) -> list[MethodRun]:
 
 
 def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Question]]) -> list[MethodRun]:
-    """Every method at one concurrency: build all engines, then interleave the repeats across them."""
+    """Every method at one concurrency, `--rounds` times: build all engines, interleave the repeats
+    across them, close them; each round builds and runs the methods starting one row later."""
     from tqdm import tqdm
 
     rows = planned_rows(args)
+    for row in rows:
+        if row.not_run:
+            tqdm.write(f"{row.label}: {row.not_run}")
+    runnable = sum(not row.not_run for row in rows)
+    progress = tqdm(total=args.rounds * args.repeats * runnable * len(questions), desc=f"concurrency {concurrency}",
+                    unit="call", file=sys.stderr)
+    for round_number in range(args.rounds):
+        shift = round_number % len(rows)
+        run_round(args, concurrency, questions, rows[shift:] + rows[:shift], progress)
+    progress.close()
+    return rows
+
+
+def run_round(args, concurrency: int, questions: dict[str, list[Question]], rows: list[MethodRun], progress) -> None:
+    """One engine process per row that still runs, `--repeats` timed runs of every prompt each, interleaved."""
+    from tqdm import tqdm
+
     engines: dict[str, EngineProcess] = {}
     warmup_prompt_ids = next(iter(questions.values()))[0].prompt_ids
     try:
         for row in rows:
             if row.not_run:
-                tqdm.write(f"{row.label}: {row.not_run}")
                 continue
             tqdm.write(f"building the {row.label} engine (concurrency {concurrency}) ...")
             engine_args = dict(target=args.target, method=row.method,
@@ -154,12 +174,10 @@ def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Ques
                                enforce_eager=args.engine == "eager", draft_length=row.draft_length)
             try:
                 engines[row.label] = EngineProcess(engine_args, warmup_prompt_ids, engine_core=args.engine_core)
-                row.build_seconds = engines[row.label].build_seconds
+                row.build_seconds = row.build_seconds or engines[row.label].build_seconds
             except EngineFailed as error:
-                row.not_run = f"failed: {error}"
+                row.not_run, row.repeats = f"failed: {error}", []
                 tqdm.write(f"{row.label}: {row.not_run}")
-        progress = tqdm(total=args.repeats * len(engines) * len(questions), desc=f"concurrency {concurrency}",
-                        unit="call", file=sys.stderr)
         for _ in range(args.repeats):
             for row in rows:
                 if row.label not in engines:
@@ -175,11 +193,9 @@ def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Ques
                     row.not_run, row.repeats = f"failed: {error}", []
                     tqdm.write(f"{row.label}: {row.not_run}")
                     engines.pop(row.label).close()
-        progress.close()
     finally:
         for engine in engines.values():
             engine.close()
-    return rows
 
 
 def installed_versions() -> dict:
@@ -229,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed runs of every prompt per method, interleaved across methods; speedups are the "
                              "median with the min-max spread (default: %(default)s)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="fresh engine processes per method, one round of all methods after another, each "
+                             "giving --repeats runs: a process's pace can sit a few percent off another's for its "
+                             "whole life, which repeats within one process do not average out (default: "
+                             "%(default)s)")
     parser.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4,
                         help="draft tokens per step, for every speculative method; the maximum for adaptive rows "
                              "(default: %(default)s)")
@@ -304,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         f"K={args.num_speculative_tokens}, "
         f"max {args.max_tokens} tokens, "
         f"temperature {args.temperature}, {prompts} prompts ({prompts_by_category}), "
-        f"{args.repeats} repeat(s); {os.cpu_count()} CPUs ({dtype_choice.describe()}), started {started}. "
+        f"{args.repeats} repeat(s) in each of {args.rounds} engine process(es) a method; "
+        f"{os.cpu_count()} CPUs ({dtype_choice.describe()}), started {started}. "
         "Figures are explained in `python -m vllm_amphista.bench --help`.",
         *notes,
         *[concurrency_section(concurrency, rows, figures, questions, greedy)

@@ -7,7 +7,9 @@ Each engine runs in its own process with an in-process engine core (the timers
 must reach the model runner; the benchmark runs vLLM's default separate core),
 is warmed up, then answers the prompts (one at a time by default; `--concurrency N`
 batches up to N) while timers wrapped around the model runner's parts record every
-engine step:
+engine step. With `--rounds N` each row gets N such processes, one round of all
+rows after another (each round starting one row later), and the median runs over
+all of them:
 
 - target forward: the target model's forward and its logits;
 - drafter: the proposer's `propose` (Amphista: stage layers and heads; ANPD:
@@ -79,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="requests decoded at a time (vLLM's max_num_seqs; give at least as many prompts)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed runs per engine, interleaved across engines; the median is shown")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="fresh engine processes per row, one after another, the median taken over all their "
+                             "runs: a process's target forward can sit a few percent off another's for its whole "
+                             "life, which repeats within it do not average out")
     parser.add_argument("-k", "--num-speculative-tokens", type=positive_int, default=4)
     parser.add_argument("--draft-length", choices=BENCH_DRAFT_LENGTHS, default="fixed",
                         help="fixed K (the cost of a full K-token step, the default) or the load-aware default, "
@@ -101,24 +107,27 @@ def main(argv: list[str] | None = None) -> None:
                                   args.per_category, args.max_model_len - args.max_tokens)
     prompts = [question.prompt_ids for items in questions.values() for question in items]
     rows = [(method, engine) for engine in args.engines for method in args.methods]
-    engines = {}
-    try:
-        for method, engine in rows:
-            print(f"building {method} ({engine}) ...", file=sys.stderr)
-            engines[method, engine] = EngineProcess(
-                dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
-                     heads_dir=drafter_dir(args, method), dtype=args.dtype,
-                     max_model_len=args.max_model_len, concurrency=args.concurrency, enforce_eager=engine == "eager",
-                     draft_length=args.draft_length if method in PLUGIN_METHODS or args.draft_length == "off"
-                     else None),
-                prompts[0], time_steps=True, engine_core="in-process")
-        runs: dict[tuple[str, str], list] = {row: [] for row in rows}
-        for _ in range(args.repeats):
-            for row in rows:
-                runs[row].append(engines[row].run(prompts, args.max_tokens, 0.0))
-    finally:
-        for engine_process in engines.values():
-            engine_process.close()
+    runs: dict[tuple[str, str], list] = {row: [] for row in rows}
+    for round_number in range(1, args.rounds + 1):
+        shift = (round_number - 1) % len(rows)  # each round builds and runs the rows in another order
+        order = rows[shift:] + rows[:shift]
+        engines = {}
+        try:
+            for method, engine in order:
+                print(f"round {round_number}/{args.rounds}: building {method} ({engine}) ...", file=sys.stderr)
+                engines[method, engine] = EngineProcess(
+                    dict(target=args.target, method=method, num_speculative_tokens=args.num_speculative_tokens,
+                         heads_dir=drafter_dir(args, method), dtype=args.dtype, max_model_len=args.max_model_len,
+                         concurrency=args.concurrency, enforce_eager=engine == "eager",
+                         draft_length=args.draft_length if method in PLUGIN_METHODS or args.draft_length == "off"
+                         else None),
+                    prompts[0], time_steps=True, engine_core="in-process")
+            for _ in range(args.repeats):
+                for row in order:
+                    runs[row].append(engines[row].run(prompts, args.max_tokens, 0.0))
+        finally:
+            for engine_process in engines.values():
+                engine_process.close()
 
     body = []
     plain = {engine: _median_ms(runs["vanilla", engine])["total"] for engine in args.engines
@@ -139,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
                      "-" if floor is None else f"{ms['drafter'] / floor:.2f}x",
                      f"{tau:.2f}", str(runs[method, engine][0].step_times.steps), f"{decode:.2f}",
                      f"{plain_decode[engine] / decode:.2f}x" if engine in plain else "-"])
-    print(f"ms per decode step (median of {args.repeats} runs; {len(prompts)} prompts, {args.max_tokens} tokens, "
+    print(f"ms per decode step (median of {args.repeats} runs in each of {args.rounds} engine processes a row; "
+          f"{len(prompts)} prompts, {args.max_tokens} tokens, "
           f"concurrency {args.concurrency}, {args.dtype}, K={args.num_speculative_tokens} ({args.draft_length} for "
           f"the plugin's methods), {os.cpu_count()} CPUs; in-process engine core; {dtype_choice.describe()})\n")
     shares = ", ".join(f"{method} {100 * share:.1f}%" for method, share in drafter_share.items())
