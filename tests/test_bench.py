@@ -77,7 +77,8 @@ def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_di
     command = [
         sys.executable, "-m", "vllm_amphista.bench.steps", "--target", str(tiny_llama_dir),
         "--heads", str(random_heads_dir), "--methods", "vanilla,anpd,amphista", "--engines", "eager",
-        "--draft-length", "off", "--repeats", "1", "--rounds", "2", "--max-tokens", "8", "--dtype", "float32", "--concurrency", "2",
+        "--draft-length", "off", "--repeats", "1", "--rounds", "2", "--max-tokens", "8", "--dtype", "float32",
+        "--concurrency", "2",
         "--max-model-len", "256", "--categories", ",".join(CATEGORIES),
         "--questions", str(spec_bench_questions(tmp_path / "questions.jsonl")),
     ]

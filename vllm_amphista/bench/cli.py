@@ -80,7 +80,7 @@ from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME
 from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.args import ALL_METHODS, add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
 from vllm_amphista.bench.engines import (BENCH_DRAFT_LENGTHS, ENGINE_CORE_MODES, EngineFailed, EngineProcess,
-                                         engine_label, set_engine_env)
+                                         engine_label, round_order, set_engine_env)
 from vllm_amphista.bench.report import (
     MethodRun,
     all_figures,
@@ -140,7 +140,7 @@ def planned_rows(args) -> list[MethodRun]:
 
 def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Question]]) -> list[MethodRun]:
     """Every method at one concurrency, `--rounds` times: build all engines, interleave the repeats
-    across them, close them; each round builds and runs the methods starting one row later."""
+    across them, close them."""
     from tqdm import tqdm
 
     rows = planned_rows(args)
@@ -150,9 +150,8 @@ def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Ques
     runnable = sum(not row.not_run for row in rows)
     progress = tqdm(total=args.rounds * args.repeats * runnable * len(questions), desc=f"concurrency {concurrency}",
                     unit="call", file=sys.stderr)
-    for round_number in range(args.rounds):
-        shift = round_number % len(rows)
-        run_round(args, concurrency, questions, rows[shift:] + rows[:shift], progress)
+    for round_index in range(args.rounds):
+        run_round(args, concurrency, questions, round_order(rows, round_index), progress)
     progress.close()
     return rows
 

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.args import add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
-from vllm_amphista.bench.engines import BENCH_DRAFT_LENGTHS, EngineProcess, set_engine_env
+from vllm_amphista.bench.engines import BENCH_DRAFT_LENGTHS, EngineProcess, round_order, set_engine_env
 from vllm_amphista.bench.report import markdown_table
 from vllm_amphista.bench.timers import PARTS
 from vllm_amphista.cpu_dtype import choose_cpu_dtype
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [(method, engine) for engine in args.engines for method in args.methods]
     runs: dict[tuple[str, str], list] = {row: [] for row in rows}
     for round_number in range(1, args.rounds + 1):
-        shift = (round_number - 1) % len(rows)  # each round builds and runs the rows in another order
-        order = rows[shift:] + rows[:shift]
+        order = round_order(rows, round_number - 1)
         engines = {}
         try:
             for method, engine in order:
