@@ -24,9 +24,11 @@ For rows that draft with trained weights (Amphista, Medusa, EAGLE, DFlash),
 "drafter floor" is what reading the weights a drafting step needs costs at the
 plain step's pace: (weights read per step / target's weights) x the plain step
 in the same engine mode and run; "drafter / floor" is the drafter's time over
-it. Weights read per step: the drafter dir's weights, plus the target's lm_head
-where the drafter shares it (no lm_head in its dir), once per drafter pass:
-one pass for Amphista, Medusa and DFlash, K chained passes for EAGLE.
+it, shown with `--draft-length fixed` only, where every step drafts (elsewhere
+steps that draft nothing dilute the drafter's time per step). Weights read per
+step: the drafter dir's weights, plus the target's lm_head where the drafter
+shares it (no lm_head in its dir), once per drafter pass: one pass for
+Amphista, Medusa and DFlash, K chained passes for EAGLE.
 
 "decode s" is the time all decode steps took, and "speedup" plain's over the
 method's (greedy: the same tokens). One request at a time that is tau over the
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         body.append([method, engine, f"{ms['total']:.2f}", cost, *(f"{ms[part]:.2f}" for part in PARTS),
                      f"{ms['drafter'] + ms['drafter glue']:.2f}",
                      "-" if floor is None else f"{floor:.2f}",
-                     "-" if floor is None else f"{ms['drafter'] / floor:.2f}x",
+                     "-" if floor is None or args.draft_length != "fixed" else f"{ms['drafter'] / floor:.2f}x",
                      f"{tau:.2f}", str(runs[method, engine][0].step_times.steps), f"{decode:.2f}",
                      f"{plain_decode[engine] / decode:.2f}x" if engine in plain else "-"])
     print(f"ms per decode step (median of {args.repeats} runs in each of {args.rounds} engine processes a row; "
