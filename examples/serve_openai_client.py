@@ -1,11 +1,13 @@
 """Serve the demo target with Amphista and query it with the OpenAI client.
 
 Start the server (CPU build; on CUDA `vllm serve` takes the same flags), in the dtype
-this CPU computes fastest (float32 unless it has bf16 units) and with vLLM-CPU's recommended
-preloads (Intel OpenMP from the venv, tcmalloc when installed: faster here, BENCHMARKS.md 9):
+this CPU computes fastest (float32 unless it has bf16 units), with vLLM-CPU's recommended
+preloads (Intel OpenMP from the venv, tcmalloc when installed: faster here, BENCHMARKS.md 9)
+and glibc's malloc on transparent huge pages (BENCHMARKS.md 56e):
 
     DTYPE=$(python -c "from vllm_amphista.cpu_dtype import choose_cpu_dtype; print(choose_cpu_dtype().dtype)")
-    LD_PRELOAD="$(scripts/cpu_preload.sh .venv)" vllm serve models/SmolLM2-135M-Instruct --dtype $DTYPE \
+    LD_PRELOAD="$(scripts/cpu_preload.sh .venv)" GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
+        vllm serve models/SmolLM2-135M-Instruct --dtype $DTYPE \
         --speculative-model vllm_amphista/heads/smollm2-135m-instruct --port 8000
 
 then run this script:
