@@ -72,8 +72,8 @@ def test_quick_bench(tiny_llama_dir, random_heads_dir, tmp_path):
 
 def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_dir, tmp_path):
     """`bench.steps --draft-length off`: speculation configured, K=0 at every step (tau exactly 1),
-    and the drafter's weight-read floor printed for Amphista, with no ratio to it; requests batched two at a time, each
-    row's runs taken from two engine processes."""
+    and the drafter's weight-read floor printed for Amphista, with no ratio to it; requests batched
+    two at a time, each row's runs taken from two engine processes."""
     command = [
         sys.executable, "-m", "vllm_amphista.bench.steps", "--target", str(tiny_llama_dir),
         "--heads", str(random_heads_dir), "--methods", "vanilla,anpd,amphista", "--engines", "eager",
