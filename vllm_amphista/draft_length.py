@@ -86,10 +86,11 @@ class StepCost:
         # to a step, in spells of up to two dozen steps at twice the time, so a step's own cost sits
         # low among its recent times; a real rise (longer contexts) is followed within a window.
         self._recent: dict[int, deque[float]] = {}
+        self._recent_sorted: dict[int, list[float]] = {}  # the same times, kept sorted
         self._measured: dict[int, float] = {}
-        # Seconds by size as `predict` reads them, built once after each change: the controller
-        # reads the table for every K at every step.
-        self._table: dict[int, float] | None = None
+        # (sizes, seconds) as `predict` reads them, sorted, built once after each change: the
+        # controller reads the table for every K at every step.
+        self._table: tuple[list[int], list[float]] | None = None
 
     def calibrate(self, seconds_by_size: dict[int, float]) -> None:
         """Start from model-only timings taken at start-up (tokens -> seconds)."""
@@ -102,12 +103,21 @@ class StepCost:
     def sizes(self) -> list[int]:
         return sorted(self._startup.keys() | self._measured.keys())
 
+    @property
+    def timed(self) -> bool:
+        """Whether any size has a time (start-up or real)."""
+        return bool(self._startup or self._measured)
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens < 1 or seconds <= 0.0:
             return
         recent = self._recent.setdefault(num_tokens, deque(maxlen=self.window))
+        ordered = self._recent_sorted.setdefault(num_tokens, [])
+        if len(recent) == self.window:
+            del ordered[bisect.bisect_left(ordered, recent[0])]
         recent.append(seconds)
-        measured = sorted(recent)[1 if len(recent) > 8 else 0]
+        bisect.insort(ordered, seconds)
+        measured = ordered[1 if len(ordered) > 8 else 0]
         if self._measured.get(num_tokens) != measured:
             self._measured[num_tokens] = measured
             self._table = None
@@ -120,17 +130,20 @@ class StepCost:
         """A size's real time found from other tables (it replaces what that size had)."""
         if num_tokens >= 1 and seconds >= 0.0:
             self._recent.pop(num_tokens, None)
+            self._recent_sorted.pop(num_tokens, None)
             self._measured[num_tokens] = seconds
             self._table = None
 
     def predict(self, num_tokens: float) -> float | None:
         """Step time for num_tokens (None before any step was timed)."""
         if self._table is None:
-            self._table = self._seconds_by_size()
-        return _interpolate(self._table, num_tokens)
+            self._table = self._sorted_table()
+        return _interpolate(*self._table, num_tokens)
 
-    def _seconds_by_size(self) -> dict[int, float]:
+    def _sorted_table(self) -> tuple[list[int], list[float]]:
         measured = sorted(self._measured)
+        startup_sizes = sorted(self._startup)
+        startup = (startup_sizes, [self._startup[size] for size in startup_sizes])
 
         def seconds(size: int) -> float:
             if size in self._measured:
@@ -139,25 +152,24 @@ class StepCost:
                 return self._startup[size]
             right = bisect.bisect_left(measured, size)
             near = min(measured[max(right - 1, 0):right + 1], key=lambda m: abs(m - size))
-            return self._startup[size] * self._measured[near] / _interpolate(self._startup, near)
+            return self._startup[size] * self._measured[near] / _interpolate(*startup, near)
 
-        return {size: seconds(size) for size in self.sizes}
+        sizes = self.sizes
+        return sizes, [seconds(size) for size in sizes]
 
 
-def _interpolate(seconds_by_size: dict[int, float], num_tokens: float) -> float | None:
-    """Linear between sizes; below the smallest, its time; above the largest, in proportion to
-    tokens (never timed this large: as if compute bound)."""
-    if not seconds_by_size:
+def _interpolate(sizes: list[int], seconds: list[float], num_tokens: float) -> float | None:
+    """Linear between sizes (sorted, with their seconds); below the smallest, its time; above the
+    largest, in proportion to tokens (never timed this large: as if compute bound)."""
+    if not sizes:
         return None
-    sizes = sorted(seconds_by_size)
     if num_tokens <= sizes[0]:
-        return seconds_by_size[sizes[0]]
+        return seconds[0]
     if num_tokens >= sizes[-1]:
-        return seconds_by_size[sizes[-1]] * num_tokens / sizes[-1]
+        return seconds[-1] * num_tokens / sizes[-1]
     right = bisect.bisect_left(sizes, num_tokens)
     lo, hi = sizes[right - 1], sizes[right]
-    t_lo, t_hi = seconds_by_size[lo], seconds_by_size[hi]
-    return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
+    return seconds[right - 1] + (seconds[right] - seconds[right - 1]) * (num_tokens - lo) / (hi - lo)
 
 
 class DraftAcceptance:
@@ -189,15 +201,21 @@ class DraftAcceptance:
 
     def expected(self, k: int) -> tuple[float, float]:
         """(expected draft tokens verified, expected draft tokens accepted) per request at draft length k."""
+        return self.expected_by_k()[min(k, self.max_k)]
+
+    def expected_by_k(self) -> list[tuple[float, float]]:
+        """`expected(k)` for k = 0..max_k."""
         verified = accepted = 0.0
         reach = keep = 1.0
-        for i in range(min(k, self.max_k)):
+        by_k = [(0.0, 0.0)]
+        for i in range(self.max_k):
             # A draft that stopped early stays stopped.
             reach = min(reach, self._reached[i] / self._asked[i])
             keep *= self._accepted[i] / self._tried[i]
             verified += reach
             accepted += reach * keep
-        return verified, accepted
+            by_k.append((verified, accepted))
+        return by_k
 
     def acceptance_by_position(self) -> list[float]:
         return [a / t for a, t in zip(self._accepted, self._tried)]
@@ -235,9 +253,10 @@ class ConfidenceCut:
         self.min_confidence = min_confidence
         self.max_k = max_k
         self._cheap: dict[int, bool] = {}  # timed batch size -> whether a full draft is cheap to verify there
+        self._cut: dict[int, float] = {}  # batch size -> its cut, as read so far
 
     def calibrate(self, step_seconds: dict[int, float]) -> None:
-        self._cheap = {}
+        self._cheap, self._cut = {}, {}
         for batch_size in sorted(step_seconds):
             plain, verified = step_seconds[batch_size], step_seconds.get(batch_size * (1 + self.max_k))
             if verified is not None and plain > 0.0:
@@ -249,8 +268,11 @@ class ConfidenceCut:
         return sorted(self._cheap)
 
     def __call__(self, batch_size: int) -> float:
-        timed = [size for size in self._cheap if size >= batch_size]
-        return 0.0 if timed and self._cheap[min(timed)] else self.min_confidence
+        cut = self._cut.get(batch_size)
+        if cut is None:
+            timed = [size for size in self._cheap if size >= batch_size]
+            cut = self._cut[batch_size] = 0.0 if timed and self._cheap[min(timed)] else self.min_confidence
+        return cut
 
 
 # Steps over which a switch from K=0 to drafting must pay back the stages' catch-up: a regime
@@ -309,7 +331,7 @@ class AdaptiveDraftLength:
     def _skips_stages_at_k0(self) -> bool:
         """Whether start-up timing found a part of the drafter that steps without drafts skip
         (Amphista's stages, caught up later): a host-side drafter (ANPD) has none."""
-        return bool(self.drafter_cost.sizes)
+        return self.drafter_cost.timed
 
     def catch_up_seconds(self) -> float:
         """What the stages' catch-up over the running requests' backlogs would cost now (0 for a
@@ -328,14 +350,20 @@ class AdaptiveDraftLength:
         return recent[len(recent) // 2] if recent else None
 
     def best(self, batch_size: int) -> int:
-        rates = [self.rate(batch_size, k) for k in range(self.max_k + 1)]
+        catch_up = self.catch_up_seconds()
+        rates = [self._rate(batch_size, k, expected, catch_up)
+                 for k, expected in enumerate(self.acceptance.expected_by_k())]
         if any(rate is None for rate in rates):
             return self.max_k  # nothing measured yet: run as configured until steps are timed
         return max(range(self.max_k + 1), key=lambda k: rates[k])
 
     def rate(self, batch_size: int, k: int) -> float | None:
         """Expected tokens per second for a batch of batch_size decoding requests at draft length k."""
-        verified, accepted = self.acceptance.expected(k)
+        return self._rate(batch_size, k, self.acceptance.expected(k), self.catch_up_seconds())
+
+    def _rate(self, batch_size: int, k: int, expected: tuple[float, float], catch_up: float) -> float | None:
+        """`rate`, given `acceptance.expected(k)` and `catch_up_seconds()`."""
+        verified, accepted = expected
         num_tokens = batch_size * (1.0 + verified)
         seconds = self.cost.predict(num_tokens)
         if seconds is None:
@@ -343,7 +371,7 @@ class AdaptiveDraftLength:
         if k == 0:
             seconds = max(seconds - self._drafter_seconds(num_tokens), 1e-6)
         else:
-            seconds += self.catch_up_seconds() / CATCH_UP_HORIZON
+            seconds += catch_up / CATCH_UP_HORIZON
         return batch_size * (1.0 + accepted) / seconds
 
     def __getitem__(self, batch_size: int) -> int:

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         decode = _median_decode_seconds(runs[method, engine])
         cost = f"{ms['total'] / plain[engine]:.2f}x" if engine in plain else "-"
         floor = drafter_share[method] * plain[engine] if engine in plain and method in drafter_share else None
-        body.append([method, engine, f"{ms['total']:.2f}", cost, *(f"{ms[part]:.2f}" for part in PARTS),
+        body.append([method, engine, "/".join(sorted({result.step_times.scheduling for result in runs[method, engine]})),
+                     f"{ms['total']:.2f}", cost, *(f"{ms[part]:.2f}" for part in PARTS),
                      f"{ms['drafter'] + ms['drafter glue']:.2f}",
                      "-" if floor is None else f"{floor:.2f}",
                      "-" if floor is None or args.draft_length != "fixed" else f"{ms['drafter'] / floor:.2f}x",
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     shares = ", ".join(f"{method} {100 * share:.1f}%" for method, share in drafter_share.items())
     print(f"drafter floor: weights read per drafting step against the target's ({shares}) times the plain step "
           "(same engine, same run)\n")
-    print(markdown_table(["method", "engine", "step", "vs plain", *PARTS, "drafter + glue", "drafter floor",
+    print(markdown_table(["method", "engine", "scheduling", "step", "vs plain", *PARTS, "drafter + glue", "drafter floor",
                           "drafter / floor", "tau", "steps", "decode s", "speedup"], body))
 
 

@@ -24,6 +24,7 @@ class StepTimes:
 
     steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    scheduling: str = "sync"  # the engine's: "async" (vLLM's async scheduling) or "sync"
 
     def ms_per_step(self) -> dict[str, float]:
         return {part: 1000 * value / max(self.steps, 1) for part, value in self.seconds.items()}
@@ -35,7 +36,8 @@ class StepTimers:
     def __init__(self, llm):
         engine_core = llm.llm_engine.engine_core.engine_core
         runner = engine_core.model_executor.driver_worker.worker.model_runner
-        self.times = StepTimes()
+        self.scheduling = "async" if llm.llm_engine.vllm_config.scheduler_config.async_scheduling else "sync"
+        self.times = StepTimes(scheduling=self.scheduling)
         self._current: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self._scheduled = {}
 
@@ -99,5 +101,5 @@ class StepTimers:
         engine_core.step_fn = timed_step
 
     def take(self) -> StepTimes:
-        times, self.times = self.times, StepTimes()
+        times, self.times = self.times, StepTimes(scheduling=self.scheduling)
         return times

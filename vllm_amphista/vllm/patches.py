@@ -72,7 +72,9 @@ The patches:
    budget, logprobs): one argmax over all verified positions, by the op vLLM's
    own sampler uses for plain greedy decoding (`Sampler.greedy_sample` on
    float32 logits: on CPU a vLLM kernel, ~9x faster than torch's argmax over
-   bf16 logits at 5 rows), and vLLM's own greedy acceptance kernel, instead of
+   bf16 logits at 5 rows), and vLLM's greedy acceptance (on CPU in plain
+   Python, `greedy_chain_acceptance`: vLLM's kernel call there costs ~0.14 ms in
+   its Triton dispatcher and int64 copies; elsewhere vLLM's kernel), instead of
    gathering, casting and cloning the logits and sampling the bonus token
    apart. Any other batch runs vLLM's code unchanged.
 10. `VllmConfig.__post_init__` admits our methods to async scheduling as it
@@ -587,6 +589,30 @@ def _normalize_dflash_context_keys_per_layer_on_cpu() -> None:
     _wrap(DFlashQwen3Model, "_normalize_context_k", make_wrapper)
 
 
+def greedy_chain_acceptance(cu_num_draft_tokens, draft_token_ids, target_argmax, bonus_token_ids,
+                            max_spec_len: int, placeholder: int):
+    """What vLLM's greedy rejection kernel writes, for CPU tensors, in plain Python: per request
+    its target's argmax up to and including the first draft token that differs from it, and the
+    bonus token after a draft accepted whole; `placeholder` elsewhere. [B, max_spec_len + 1] int32.
+    (On a CPU, vLLM reaches its kernel through its Triton dispatcher and int64 copies, ~0.14 ms a
+    call in an engine; a few list operations cost ~0.01 ms.)"""
+    import torch
+
+    drafts, targets = draft_token_ids.tolist(), target_argmax.tolist()
+    rows, start = [], 0
+    for end, bonus in zip(cu_num_draft_tokens.tolist(), bonus_token_ids.tolist()):
+        row = []
+        for position in range(start, end):
+            row.append(targets[position])
+            if drafts[position] != targets[position]:
+                break
+        else:
+            row.append(bonus)
+        rows.append(row + [placeholder] * (max_spec_len + 1 - len(row)))
+        start = end
+    return torch.tensor(rows, dtype=torch.int32)
+
+
 def _greedy_rejection_sampling_fast_path() -> None:
     import torch
     from vllm.v1.outputs import SamplerOutput
@@ -631,13 +657,18 @@ def _greedy_rejection_sampling_fast_path() -> None:
             if metadata.max_spec_len == 0:  # no request drafted: each samples its bonus token alone
                 bonus = argmax[metadata.bonus_logits_indices].to(torch.int32)
                 return SamplerOutput(sampled_token_ids=bonus.unsqueeze(1), logprobs_tensors=None)
-            output_token_ids = torch.full(
-                (len(metadata.num_draft_tokens), metadata.max_spec_len + 1), rejection_sampler.PLACEHOLDER_TOKEN_ID,
-                dtype=torch.int32, device=logits.device)
-            rejection_sampler._rejection_greedy_sample(
-                output_token_ids, metadata.cu_num_draft_tokens, metadata.draft_token_ids,
-                argmax[metadata.target_logits_indices], argmax[metadata.bonus_logits_indices],
-                None, metadata.max_spec_len, None, None)
+            target_argmax, bonus = argmax[metadata.target_logits_indices], argmax[metadata.bonus_logits_indices]
+            if logits.device.type == "cpu":
+                output_token_ids = greedy_chain_acceptance(metadata.cu_num_draft_tokens, metadata.draft_token_ids,
+                                                           target_argmax, bonus, metadata.max_spec_len,
+                                                           rejection_sampler.PLACEHOLDER_TOKEN_ID)
+            else:
+                output_token_ids = torch.full(
+                    (len(metadata.num_draft_tokens), metadata.max_spec_len + 1),
+                    rejection_sampler.PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
+                rejection_sampler._rejection_greedy_sample(
+                    output_token_ids, metadata.cu_num_draft_tokens, metadata.draft_token_ids, target_argmax, bonus,
+                    None, metadata.max_spec_len, None, None)
             return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=None)
 
         return forward
