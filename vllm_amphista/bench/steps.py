@@ -20,6 +20,10 @@ all of them:
 - input prep: state update, input and attention-metadata preparation;
 - other: the rest of the engine step (scheduler, bookkeeping, output processing).
 
+"scheduling" names how the engine scheduled its steps: "async" (vLLM's async
+scheduling, the next step prepared while this one runs) or "sync" (what vLLM-CPU
+sets for every engine).
+
 For rows that draft with trained weights (Amphista, Medusa, EAGLE, DFlash),
 "drafter floor" is what reading the weights a drafting step needs costs at the
 plain step's pace: (weights read per step / target's weights) x the plain step
