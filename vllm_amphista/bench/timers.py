@@ -22,9 +22,9 @@ RUNNER_PARTS = {
 class StepTimes:
     """Seconds per part, summed over the decode steps timed."""
 
+    scheduling: str  # the engine's: "async" (vLLM's async scheduling) or "sync"
     steps: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-    scheduling: str = "sync"  # the engine's: "async" (vLLM's async scheduling) or "sync"
 
     def ms_per_step(self) -> dict[str, float]:
         return {part: 1000 * value / max(self.steps, 1) for part, value in self.seconds.items()}
