@@ -201,7 +201,8 @@ def random_heads_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     return build_random_heads(tiny_llama_dir, tmp_path_factory.mktemp("random_heads"))
 
 
-def run_python(script: str, extra_env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_python(script: str, extra_env: dict | None = None, timeout: float = 600,
+               spawns_workers: bool = False) -> subprocess.CompletedProcess:
     """Run `script` in a fresh Python process from the repo root, with the CPU test environment.
 
     The process leads its own session (its id is the session id): on timeout the
@@ -210,14 +211,14 @@ def run_python(script: str, extra_env: dict | None = None, timeout: float = 600)
     """
     env = {**os.environ, **VLLM_CPU_TEST_ENV, **(extra_env or {})}
     # The script comes on stdin: with its data inlined it can exceed the argument size limit. A
-    # spawned engine-core process re-imports a main script from its file, which stdin has not:
-    # short scripts for vLLM's multi-process engine come as an argument.
-    spawns_engine_core = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
-    command = [sys.executable, "-c", script] if spawns_engine_core else [sys.executable, "-"]
+    # spawned engine-core or worker process re-imports a main script from its file, which stdin has
+    # not: short scripts for vLLM's multi-process engine or executor come as an argument.
+    spawns = spawns_workers or env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+    command = [sys.executable, "-c", script] if spawns else [sys.executable, "-"]
     with subprocess.Popen(command, cwd=REPO_ROOT, env=env, text=True, stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as process:
         try:
-            stdout, stderr = process.communicate(None if spawns_engine_core else script, timeout=timeout)
+            stdout, stderr = process.communicate(None if spawns else script, timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_session(process.pid)
             process.communicate()
@@ -347,4 +348,5 @@ def run_llm(target_dir, body: str, speculative_config: dict | None = None, llm_k
     ).format(args=json.dumps(args), model=str(target_dir), speculative_config=speculative_config,
              llm_kwargs=llm_kwargs, body=textwrap.indent(textwrap.dedent(body), " " * 4),
              prelude=textwrap.indent(textwrap.dedent(prelude), " " * 4))
-    return report_of(run_python(script, extra_env, timeout))
+    spawns_workers = llm_kwargs.get("distributed_executor_backend") == "mp"
+    return report_of(run_python(script, extra_env, timeout, spawns_workers))

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from conftest import TINY_SPECIAL_TOKENS, TINY_WORDS, run_engine
+from conftest import TINY_SPECIAL_TOKENS, TINY_WORDS, run_engine, run_llm
 from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME, AnswerNgrams
 
 MAX_MODEL_LEN = 256
@@ -166,6 +166,36 @@ def test_plugin_loads_in_the_engine_process(tiny_llama_dir, plain, requests):
                           extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert_same_outputs(spec_run, plain, requests[:4])
     assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0
+
+
+# Counts the engine core's calls to its worker, by method, while the requests run.
+COUNT_WORKER_CALLS = """
+executor = llm.llm_engine.engine_core.engine_core.model_executor
+calls = []
+collective_rpc = executor.collective_rpc
+
+def counted_rpc(method, *rpc_args, **rpc_kwargs):
+    calls.append(method)
+    return collective_rpc(method, *rpc_args, **rpc_kwargs)
+
+executor.collective_rpc = counted_rpc
+params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop_token_ids=r.get("stop_token_ids"))
+          for r in args]
+outputs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in args], params, use_tqdm=False)
+report({"token_ids": [list(o.outputs[0].token_ids) for o in outputs], "calls": calls,
+        "spec": metrics("vllm:spec_decode")})
+"""
+
+
+def test_drafts_come_back_with_the_sampled_tokens(tiny_llama_dir, plain, requests):
+    """Where the worker is another process, the step's drafts ride back on its output: the engine
+    core asks the worker for nothing after sampling, and the outputs stay those of plain decoding."""
+    run = run_llm(tiny_llama_dir, COUNT_WORKER_CALLS, {"method": "anpd", "num_speculative_tokens": 3},
+                  llm_kwargs={"distributed_executor_backend": "mp"}, args=requests[:8])
+    assert_same_outputs(run, plain, requests[:8])
+    assert run["spec"]["vllm:spec_decode_num_drafts"] > 0
+    assert run["calls"].count("sample_tokens") > 0
+    assert "take_draft_token_ids" not in run["calls"]
 
 
 def decode_steps(run: dict) -> int:

