@@ -168,34 +168,68 @@ def test_plugin_loads_in_the_engine_process(tiny_llama_dir, plain, requests):
     assert spec_run["spec"]["vllm:spec_decode_num_drafts"] > 0
 
 
-# Counts the engine core's calls to its worker, by method, while the requests run.
-COUNT_WORKER_CALLS = """
-executor = llm.llm_engine.engine_core.engine_core.model_executor
-calls = []
-collective_rpc = executor.collective_rpc
+# Records, in order, what the engine core does while the requests run: its calls to the worker
+# (by method), the scheduler's update from each step's output, and the load-aware draft length's
+# observations of the steps.
+RECORD_ENGINE_CORE = """
+engine_core = llm.llm_engine.engine_core.engine_core
+executor, scheduler = engine_core.model_executor, engine_core.scheduler
+controller = scheduler.dynamic_sd_lookup
+events = []
+collective_rpc, update_from_output, observe_step = (executor.collective_rpc, scheduler.update_from_output,
+                                                    controller.observe_step)
 
-def counted_rpc(method, *rpc_args, **rpc_kwargs):
-    calls.append(method)
+def recorded_rpc(method, *rpc_args, **rpc_kwargs):
+    events.append(method)
     return collective_rpc(method, *rpc_args, **rpc_kwargs)
 
-executor.collective_rpc = counted_rpc
+def recorded_update(*update_args):
+    events.append("update")
+    try:
+        return update_from_output(*update_args)
+    finally:
+        events.append("updated")
+
+def recorded_observation(*observed):
+    events.append("observe")
+    return observe_step(*observed)
+
+executor.collective_rpc, scheduler.update_from_output, controller.observe_step = (
+    recorded_rpc, recorded_update, recorded_observation)
 params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop_token_ids=r.get("stop_token_ids"))
           for r in args]
 outputs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in args], params, use_tqdm=False)
-report({"token_ids": [list(o.outputs[0].token_ids) for o in outputs], "calls": calls,
+report({"token_ids": [list(o.outputs[0].token_ids) for o in outputs], "events": events,
         "spec": metrics("vllm:spec_decode")})
 """
 
 
-def test_drafts_come_back_with_the_sampled_tokens(tiny_llama_dir, plain, requests):
+@pytest.fixture(scope="module")
+def anpd_with_worker_process(tiny_llama_dir, requests):
+    """ANPD, load-aware draft length, the worker in a process of its own (as on every CPU)."""
+    return run_llm(tiny_llama_dir, RECORD_ENGINE_CORE, {"method": "anpd", "num_speculative_tokens": 3},
+                   llm_kwargs={"distributed_executor_backend": "mp"}, args=requests[:8])
+
+
+def test_drafts_come_back_with_the_sampled_tokens(anpd_with_worker_process, plain, requests):
     """Where the worker is another process, the step's drafts ride back on its output: the engine
     core asks the worker for nothing after sampling, and the outputs stay those of plain decoding."""
-    run = run_llm(tiny_llama_dir, COUNT_WORKER_CALLS, {"method": "anpd", "num_speculative_tokens": 3},
-                  llm_kwargs={"distributed_executor_backend": "mp"}, args=requests[:8])
+    run = anpd_with_worker_process
     assert_same_outputs(run, plain, requests[:8])
     assert run["spec"]["vllm:spec_decode_num_drafts"] > 0
-    assert run["calls"].count("sample_tokens") > 0
-    assert "take_draft_token_ids" not in run["calls"]
+    assert run["events"].count("sample_tokens") > 0
+    assert "take_draft_token_ids" not in run["events"]
+
+
+def test_the_draft_length_learns_while_the_worker_runs_the_next_step(anpd_with_worker_process):
+    """The load-aware draft length learns from every step (all but the last, still pending at the
+    end), each once the next step is with the worker: never between a step's output and the next
+    step's start."""
+    events = anpd_with_worker_process["events"]
+    assert events.count("observe") == events.count("update") - 1 > 10
+    for index, event in enumerate(events):
+        if event == "observe":
+            assert events[index - 1] == "execute_model", events[max(index - 6, 0):index + 2]
 
 
 def decode_steps(run: dict) -> int:

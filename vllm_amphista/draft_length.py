@@ -317,12 +317,14 @@ class AdaptiveDraftLength:
         self._recent_choices: Counter[tuple[int, int]] = Counter()  # (batch size, K) since the last summary
         # The K the drafts of the next step to be observed were proposed with.
         self._k_of_pending_drafts = max_k
+        self._best_by_batch: dict[int, int] = {}  # `best`, until the next observation or calibration
 
     def calibrate(self, step_seconds: dict[int, float], drafter_seconds: dict[int, float]) -> None:
         """Start from model-only timings taken at start-up (tokens -> seconds): whole steps, and
         the drafter's part of them."""
         self.cost.calibrate(step_seconds)
         self.drafter_cost.calibrate(drafter_seconds)
+        self._best_by_batch = {}
 
     def _drafter_seconds(self, num_tokens: float) -> float:
         return self.drafter_cost.predict(num_tokens) or 0.0
@@ -350,6 +352,15 @@ class AdaptiveDraftLength:
         return recent[len(recent) // 2] if recent else None
 
     def best(self, batch_size: int) -> int:
+        """The K of the highest expected rate; worked out once per batch size between
+        observations, so that working it out ahead (`patches`: while the worker runs a step) leaves
+        the scheduler's lookup a dict read."""
+        k = self._best_by_batch.get(batch_size)
+        if k is None:
+            k = self._best_by_batch[batch_size] = self._work_out_best(batch_size)
+        return k
+
+    def _work_out_best(self, batch_size: int) -> int:
         catch_up = self.catch_up_seconds()
         rates = [self._rate(batch_size, k, expected, catch_up)
                  for k, expected in enumerate(self.acceptance.expected_by_k())]
@@ -432,6 +443,7 @@ class AdaptiveDraftLength:
         draft tokens accepted); seconds is the step's wall time, None when it was not a pure decode
         step; k_proposed the draft length its drafter proposed for the next step. Steps arrive in
         order."""
+        self._best_by_batch = {}
         asked, self._k_of_pending_drafts = self._k_of_pending_drafts, k_proposed
         for _, num_drafted, num_accepted in requests.values():
             self.acceptance.observe(asked, num_drafted, num_accepted)

@@ -88,8 +88,10 @@ The patches:
    decoding; `Scheduler.__init__` then replaces vLLM's per-batch-size lookup
    table with `draft_length.AdaptiveDraftLength` (read the same way,
    `lookup[batch_size]`), and `Scheduler.schedule` / `update_from_output` feed
-   it each decode step's wall time, accepted tokens and proposed draft length
-   (one log line gives the start-up step times; with VLLM_LOGGING_LEVEL=DEBUG,
+   it each decode step's wall time, accepted tokens and proposed draft length;
+   `Scheduler.get_grammar_bitmask`, which `EngineCore.step` calls once the next
+   step is with the executor, is where it learns from them and works out its next
+   choice, while the worker runs that step (one log line gives the start-up step times; with VLLM_LOGGING_LEVEL=DEBUG,
    a line every 10 s says which K it chose at which batch size). A user's own
    `num_speculative_tokens_per_batch_size` is left to vLLM.
 12. `EngineCore._initialize_kv_caches`, once the KV cache is allocated and the
@@ -711,6 +713,7 @@ def _load_aware_draft_length() -> None:
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
 
     logger = _logger()
 
@@ -722,6 +725,10 @@ def _load_aware_draft_length() -> None:
             "Scheduler.schedule no longer reads the draft length from dynamic_sd_lookup")
     _expect("num_spec_tokens_to_schedule" in inspect.getsource(Scheduler.schedule),
             "SchedulerOutput no longer carries the step's draft length (num_spec_tokens_to_schedule)")
+    _expect_params(Scheduler.get_grammar_bitmask, ["self", "scheduler_output"], "Scheduler.get_grammar_bitmask")
+    _expect(inspect.getsource(EngineCore.step).find("execute_model(")
+            < inspect.getsource(EngineCore.step).find("get_grammar_bitmask("),
+            "EngineCore.step no longer asks for the grammar bitmask after handing the step to the executor")
 
     def make_create_wrapper(original):
         def create_speculative_config(self, *args, **kwargs):
@@ -745,6 +752,7 @@ def _load_aware_draft_length() -> None:
                 self.dynamic_sd_lookup = controller = AdaptiveDraftLength(self.num_spec_tokens,
                                                                           max_backlog=MAX_DEFERRED_POSITIONS)
                 self._amphista_step_started = {}
+                self._amphista_unobserved_step = None
                 self._amphista_last_summary = time.monotonic()
                 startup_steps = getattr(spec, STARTUP_STEP_SECONDS, None)  # patch 12's timings
                 if startup_steps is not None:
@@ -763,12 +771,31 @@ def _load_aware_draft_length() -> None:
 
         return schedule
 
+    # The controller learns from a step after the engine core has handed the next one to the
+    # executor (`get_grammar_bitmask` comes next), while the worker runs it, and works out the
+    # next choice there too: off the path from one step's output to the next step's start.
+    def hand_over_unobserved_step(scheduler, batch_size: int | None) -> None:
+        step, scheduler._amphista_unobserved_step = scheduler._amphista_unobserved_step, None
+        if step is not None:
+            scheduler.dynamic_sd_lookup.observe_step(*step)
+        if batch_size:
+            scheduler.dynamic_sd_lookup.best(batch_size)
+
+    def make_bitmask_wrapper(original):
+        def get_grammar_bitmask(self, scheduler_output):
+            if isinstance(self.dynamic_sd_lookup, AdaptiveDraftLength):
+                hand_over_unobserved_step(self, len(scheduler_output.num_scheduled_tokens))
+            return original(self, scheduler_output)
+
+        return get_grammar_bitmask
+
     def make_update_wrapper(original):
         def update_from_output(self, scheduler_output, model_runner_output):
             controller = self.dynamic_sd_lookup
             if isinstance(controller, AdaptiveDraftLength):
                 started = self._amphista_step_started.pop(id(scheduler_output), None)
-                _observe_step(controller, scheduler_output, model_runner_output, started)
+                hand_over_unobserved_step(self, None)  # an engine loop that asked for no bitmask
+                self._amphista_unobserved_step = _step_observation(scheduler_output, model_runner_output, started)
                 # VLLM_LOGGING_LEVEL=DEBUG: what the controller chose, and from what, every 10 s.
                 if logger.isEnabledFor(logging.DEBUG) and time.monotonic() - self._amphista_last_summary >= 10.0:
                     self._amphista_last_summary = time.monotonic()
@@ -781,11 +808,14 @@ def _load_aware_draft_length() -> None:
     _wrap(Scheduler, "__init__", make_init_wrapper)
     _wrap(Scheduler, "schedule", make_schedule_wrapper)
     _wrap(Scheduler, "update_from_output", make_update_wrapper)
+    _wrap(Scheduler, "get_grammar_bitmask", make_bitmask_wrapper)
 
 
-def _observe_step(controller, scheduler_output, model_runner_output, started: float | None) -> None:
-    """Hand the controller each decoding request's (tokens scheduled, drafted, accepted), and
-    the step's wall time when every request in it was decoding."""
+def _step_observation(scheduler_output, model_runner_output, started: float | None
+                      ) -> tuple[dict[str, tuple[int, int, int]], float | None, int]:
+    """`AdaptiveDraftLength.observe_step`'s arguments for a finished step: each decoding request's
+    (tokens scheduled, drafted, accepted), the step's wall time when every request in it was
+    decoding, and the draft length its drafter proposed with."""
     import time
 
     sampled = model_runner_output.sampled_token_ids
@@ -801,7 +831,7 @@ def _observe_step(controller, scheduler_output, model_runner_output, started: fl
             continue
         requests[req_id] = (num_tokens, num_drafted, len(sampled[index]) - 1)
     seconds = time.perf_counter() - started if started is not None and all_decoding else None
-    controller.observe_step(requests, seconds, scheduler_output.num_spec_tokens_to_schedule)
+    return requests, seconds, scheduler_output.num_spec_tokens_to_schedule
 
 
 def _record_finished_requests() -> None:
