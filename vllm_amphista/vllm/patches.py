@@ -91,8 +91,9 @@ The patches:
    it each decode step's wall time, accepted tokens and proposed draft length;
    `Scheduler.get_grammar_bitmask`, which `EngineCore.step` calls once the next
    step is with the executor, is where it learns from them and works out its next
-   choice, while the worker runs that step (one log line gives the start-up step times; with VLLM_LOGGING_LEVEL=DEBUG,
-   a line every 10 s says which K it chose at which batch size). A user's own
+   choice, while the worker runs that step (one log line gives the start-up step
+   times; with VLLM_LOGGING_LEVEL=DEBUG, a line every 10 s says which K it chose
+   at which batch size). A user's own
    `num_speculative_tokens_per_batch_size` is left to vLLM.
 12. `EngineCore._initialize_kv_caches`, once the KV cache is allocated and the
    model warmed up (the hook is a method __init__ calls after loading plugins,
@@ -726,8 +727,8 @@ def _load_aware_draft_length() -> None:
     _expect("num_spec_tokens_to_schedule" in inspect.getsource(Scheduler.schedule),
             "SchedulerOutput no longer carries the step's draft length (num_spec_tokens_to_schedule)")
     _expect_params(Scheduler.get_grammar_bitmask, ["self", "scheduler_output"], "Scheduler.get_grammar_bitmask")
-    _expect(inspect.getsource(EngineCore.step).find("execute_model(")
-            < inspect.getsource(EngineCore.step).find("get_grammar_bitmask("),
+    step_source = inspect.getsource(EngineCore.step)
+    _expect(0 <= step_source.find("execute_model(") < step_source.find("get_grammar_bitmask("),
             "EngineCore.step no longer asks for the grammar bitmask after handing the step to the executor")
 
     def make_create_wrapper(original):
