@@ -1,7 +1,7 @@
 """`python -m vllm_amphista.bench --quick` end to end on the random tiny Llama:
 every method and category gets a row, float32 speculation is lossless, the
 plots are PNGs, a method without weights is reported as skipped, and two
-rounds of engine processes give two repeats."""
+rounds of engine processes give two repeats; the runs interleave category by category."""
 
 import json
 import os
@@ -174,3 +174,11 @@ def test_serve_repeats_alternate_the_order_of_the_rows():
     order = run_order(["amphista", "amphista+recording"], 3)
     assert order == [(0, "amphista"), (0, "amphista+recording"), (1, "amphista+recording"), (1, "amphista"),
                      (2, "amphista"), (2, "amphista+recording")]
+
+
+def test_bench_runs_interleave_category_by_category():
+    from vllm_amphista.bench.cli import interleaved_calls
+
+    assert interleaved_calls(["writing", "coding", "math"], ["vanilla", "anpd"]) == [
+        ("writing", "vanilla"), ("writing", "anpd"), ("coding", "anpd"), ("coding", "vanilla"),
+        ("math", "vanilla"), ("math", "anpd")]

@@ -17,8 +17,10 @@ How it runs
   global state, and building several engines one after another in one
   process failed after a few (a kernel re-registration error on the CPU
   build). For one concurrency level all engines are alive at once, so the
-  repeats interleave: repeat 1 of every method, then repeat 2, ... so that
-  drift in the machine's speed hits every method alike. Each engine is warmed
+  runs interleave by category: each category's call of every method (every
+  other category in reverse order), then the next category, ..., repeat after
+  repeat, so that drift in the machine's speed (seconds to minutes) hits every
+  method alike. Each engine is warmed
   up before timing, and prefix caching is off so every repeat does the same work.
   With `--rounds N` that is done N times with fresh engine processes, each round
   starting one method later: one process can run a few percent off another for
@@ -156,8 +158,16 @@ def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Ques
     return rows
 
 
+def interleaved_calls(categories: list[str], rows: list) -> list[tuple[str, object]]:
+    """(category, row) in the order one repeat runs them: each category's call of every row, every
+    other category in reverse, so that no row always runs right after another."""
+    return [(category, row) for index, category in enumerate(categories)
+            for row in (rows if index % 2 == 0 else rows[::-1])]
+
+
 def run_round(args, concurrency: int, questions: dict[str, list[Question]], rows: list[MethodRun], progress) -> None:
-    """One engine process per row that still runs, `--repeats` timed runs of every prompt each, interleaved."""
+    """One engine process per row that still runs, `--repeats` timed runs of every prompt each, interleaved
+    category by category."""
     from tqdm import tqdm
 
     engines: dict[str, EngineProcess] = {}
@@ -178,20 +188,21 @@ def run_round(args, concurrency: int, questions: dict[str, list[Question]], rows
                 row.not_run, row.repeats = f"failed: {error}", []
                 tqdm.write(f"{row.label}: {row.not_run}")
         for _ in range(args.repeats):
-            for row in rows:
+            timed: dict[str, dict] = {row.label: {} for row in rows}
+            for category, row in interleaved_calls(list(questions), rows):
                 if row.label not in engines:
                     continue
                 try:
-                    timed = {}
-                    for category, category_questions in questions.items():
-                        timed[category] = engines[row.label].run(
-                            [question.prompt_ids for question in category_questions], args.max_tokens, args.temperature)
-                        progress.update()
-                    row.repeats.append(timed)
+                    timed[row.label][category] = engines[row.label].run(
+                        [question.prompt_ids for question in questions[category]], args.max_tokens, args.temperature)
+                    progress.update()
                 except EngineFailed as error:
                     row.not_run, row.repeats = f"failed: {error}", []
                     tqdm.write(f"{row.label}: {row.not_run}")
                     engines.pop(row.label).close()
+            for row in rows:
+                if row.label in engines:
+                    row.repeats.append(timed[row.label])
     finally:
         for engine in engines.values():
             engine.close()
