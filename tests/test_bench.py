@@ -169,16 +169,16 @@ def test_serve_table_reports_medians_and_the_cost_of_recording():
 
 
 def test_serve_repeats_alternate_the_order_of_the_rows():
-    from vllm_amphista.bench.serve import run_order
+    from vllm_amphista.bench.engines import alternating_order
 
-    order = run_order(["amphista", "amphista+recording"], 3)
+    order = alternating_order(range(3), ["amphista", "amphista+recording"])
     assert order == [(0, "amphista"), (0, "amphista+recording"), (1, "amphista+recording"), (1, "amphista"),
                      (2, "amphista"), (2, "amphista+recording")]
 
 
 def test_bench_runs_interleave_category_by_category():
-    from vllm_amphista.bench.cli import interleaved_calls
+    from vllm_amphista.bench.engines import alternating_order
 
-    assert interleaved_calls(["writing", "coding", "math"], ["vanilla", "anpd"]) == [
+    assert alternating_order(["writing", "coding", "math"], ["vanilla", "anpd"]) == [
         ("writing", "vanilla"), ("writing", "anpd"), ("coding", "anpd"), ("coding", "vanilla"),
         ("math", "vanilla"), ("math", "anpd")]

@@ -20,8 +20,8 @@ How it runs
   runs interleave by category: each category's call of every method (every
   other category in reverse order), then the next category, ..., repeat after
   repeat, so that drift in the machine's speed (seconds to minutes) hits every
-  method alike. Each engine is warmed
-  up before timing, and prefix caching is off so every repeat does the same work.
+  method alike. Each engine is warmed up before timing, and prefix caching is
+  off so every repeat does the same work.
   With `--rounds N` that is done N times with fresh engine processes, each round
   starting one method later: one process can run a few percent off another for
   its whole life, and only more processes average that out.
@@ -82,7 +82,7 @@ from vllm_amphista.answer_ngrams import ANSWER_NGRAMS_NAME
 from vllm_amphista.assets import DEMO_TARGET, SPEC_BENCH_QUESTIONS
 from vllm_amphista.bench.args import ALL_METHODS, add_drafter_dir_flags, drafter_dir, parse_methods, positive_int
 from vllm_amphista.bench.engines import (BENCH_DRAFT_LENGTHS, ENGINE_CORE_MODES, EngineFailed, EngineProcess,
-                                         engine_label, round_order, set_engine_env)
+                                         alternating_order, engine_label, round_order, set_engine_env)
 from vllm_amphista.bench.report import (
     MethodRun,
     all_figures,
@@ -158,13 +158,6 @@ def run_concurrency_level(args, concurrency: int, questions: dict[str, list[Ques
     return rows
 
 
-def interleaved_calls(categories: list[str], rows: list) -> list[tuple[str, object]]:
-    """(category, row) in the order one repeat runs them: each category's call of every row, every
-    other category in reverse, so that no row always runs right after another."""
-    return [(category, row) for index, category in enumerate(categories)
-            for row in (rows if index % 2 == 0 else rows[::-1])]
-
-
 def run_round(args, concurrency: int, questions: dict[str, list[Question]], rows: list[MethodRun], progress) -> None:
     """One engine process per row that still runs, `--repeats` timed runs of every prompt each, interleaved
     category by category."""
@@ -189,7 +182,7 @@ def run_round(args, concurrency: int, questions: dict[str, list[Question]], rows
                 tqdm.write(f"{row.label}: {row.not_run}")
         for _ in range(args.repeats):
             timed: dict[str, dict] = {row.label: {} for row in rows}
-            for category, row in interleaved_calls(list(questions), rows):
+            for category, row in alternating_order(list(questions), rows):
                 if row.label not in engines:
                     continue
                 try:

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_amphista.bench.timers import StepTimers, StepTimes
@@ -293,6 +294,12 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join()
+
+
+def alternating_order(outer: Sequence, rows: Sequence) -> list[tuple]:
+    """(item of `outer`, row) in the order they run: every row in turn for each item, every other
+    item in reverse, so that no row always runs right after another."""
+    return [(item, row) for index, item in enumerate(outer) for row in (rows if index % 2 == 0 else rows[::-1])]
 
 
 def round_order(rows: list, round_index: int) -> list:

@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 
 from vllm_amphista.assets import DEMO_TARGET, SHIPPED_HEADS, SPEC_BENCH_QUESTIONS
-from vllm_amphista.bench.engines import speculative_config
+from vllm_amphista.bench.engines import alternating_order, speculative_config
 from vllm_amphista.cpu_dtype import choose_cpu_dtype
 from vllm_amphista.vllm.config import PLUGIN_METHODS
 
@@ -76,11 +76,6 @@ def wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(2)
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
-
-
-def run_order(rows: list[str], repeats: int) -> list[tuple[int, str]]:
-    """(repeat, row) in the order they run: the list in turn, every other repeat reversed."""
-    return [(repeat, row) for repeat in range(repeats) for row in (rows if repeat % 2 == 0 else rows[::-1])]
 
 
 def serve_and_bench(args, row: str, repeat: int, out: Path) -> dict[int, dict]:
@@ -188,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     results: dict[str, list[dict[int, dict]]] = {row: [] for row in rows}
-    for repeat, row in run_order(rows, args.repeats):
+    for repeat, row in alternating_order(range(args.repeats), rows):
         results[row].append(serve_and_bench(args, row, repeat, out))
     report = "\n\n".join([
         "## Serving benchmark",
