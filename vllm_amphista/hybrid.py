@@ -47,8 +47,9 @@ def hybrid_draft(
     """The draft (token, confidence) chain of at most k tokens.
 
     heads: the heads' chain; ngram_after(n, prefix): ANPD's chain of up to n tokens continuing
-    the history followed by prefix (`NgramTables.scored_draft`). rule: "heads", "ngram", "longer" (whichever whole chain has
-    the longer expected accepted length) or "splice" (every splice point considered).
+    the history followed by prefix (`NgramTables.scored_draft`). rule: "heads", "ngram",
+    "longer" (whichever whole chain has the longer expected accepted length) or "splice" (every
+    splice point considered).
     """
     heads = list(heads[:k])
     if rule == "heads":

@@ -88,7 +88,8 @@ def serve_and_bench(args, row: str, repeat: int, out: Path) -> dict[int, dict]:
     command = [vllm_command(), "serve", args.target, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                "--max-num-seqs", str(max(args.concurrency)), "--no-enable-prefix-caching"]
-    config = speculative_config(method, args.num_speculative_tokens, args.heads if method.startswith("amphista") else None)
+    heads_dir = args.heads if method.startswith("amphista") else None
+    config = speculative_config(method, args.num_speculative_tokens, heads_dir)
     if row.endswith(RECORDING):
         record_dir = Path(args.record_traffic) / run_name
         shutil.rmtree(record_dir, ignore_errors=True)  # every run records from empty
@@ -102,7 +103,8 @@ def serve_and_bench(args, row: str, repeat: int, out: Path) -> dict[int, dict]:
         wait_healthy(port, server, args.startup_timeout)
         for concurrency in args.concurrency:
             name = f"{run_name}_c{concurrency}.json"
-            client = [vllm_command(), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            client = [vllm_command(), "bench", "serve", "--backend", "openai-chat",
+                      "--endpoint", "/v1/chat/completions",
                       "--host", "127.0.0.1", "--port", str(port), "--model", args.target,
                       "--dataset-name", "spec_bench", "--dataset-path", args.questions,
                       "--spec-bench-output-len", str(args.max_tokens), "--num-prompts", str(args.num_prompts),
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="dir for the raw results and server logs (default: a temp dir)")
     parser.add_argument("--record-traffic", default=None, metavar="DIR",
                         help="also run each plugin method with record_traffic on, recording under DIR")
-    parser.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn, every other time reversed; medians")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the list this many times in turn, every other time reversed; medians")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         f"`vllm serve {args.target}` per method (compiled, multi-process, {args.dtype}, K={args.num_speculative_tokens}"
         f" -- adaptive for the plugin's methods), `vllm bench serve` with {args.num_prompts} Spec-Bench first turns "
         f"(chat endpoint, greedy, {args.max_tokens} tokens); {os.cpu_count()} CPUs ({dtype_choice.describe()}), "
-        f"started {started}; medians of {args.repeats} interleaved run(s) per row (every other repeat in reverse order).",
+        f"started {started}; medians of {args.repeats} interleaved run(s) per row "
+        "(every other repeat in reverse order).",
         *[table(results, concurrency) for concurrency in args.concurrency],
     ])
     print(report)

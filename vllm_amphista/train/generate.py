@@ -127,8 +127,9 @@ class Job:
     tensors: SampleTensors | None = None
 
 
-def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], first_shard: int, out: Path, params, top_k: int, recompute: bool,
-               hidden_dtype: torch.dtype, concurrency: int, feature_layers: list[int] | None = None) -> dict:
+def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], first_shard: int, out: Path, params,
+               top_k: int, recompute: bool, hidden_dtype: torch.dtype, concurrency: int,
+               feature_layers: list[int] | None = None) -> dict:
     """Feed every job to the engine, keeping it full; write each shard when its jobs are done."""
     engine = llm.llm_engine
     pending = [(shard, job) for shard, jobs in enumerate(shards) for job in jobs]
@@ -172,8 +173,8 @@ def run_shards(llm, recorder: HiddenStateRecorder, shards: list[list[Job]], firs
             progress.update()
             if remaining[shard] == 0:
                 samples = [job.sample for job in shards[shard]]
-                totals["bytes"] += write_shard(out, first_shard + shard, samples, [job.tensors for job in shards[shard]],
-                                               hidden_dtype, feature_layers)
+                tensors = [job.tensors for job in shards[shard]]
+                totals["bytes"] += write_shard(out, first_shard + shard, samples, tensors, hidden_dtype, feature_layers)
                 totals["samples"] += len(samples)
                 totals["output_tokens"] += sum(len(sample.output_ids) for sample in samples)
                 totals["tokens"] += sum(len(sample.token_ids) for sample in samples)
@@ -221,7 +222,8 @@ def generate_dataset(
 
         num_layers = AutoConfig.from_pretrained(target).get_text_config().num_hidden_layers
         # vLLM hands the streams over in the order its layers run: the ids must say that order.
-        if feature_layers != sorted(set(feature_layers)) or not 1 <= feature_layers[0] <= feature_layers[-1] <= num_layers:
+        in_range = 1 <= feature_layers[0] <= feature_layers[-1] <= num_layers
+        if feature_layers != sorted(set(feature_layers)) or not in_range:
             raise ValueError(f"feature layers must be ascending distinct layer counts in 1..{num_layers}, "
                              f"got {feature_layers}")
     # The recorder lives in the engine's process: keep the engine in this one.
